@@ -1,0 +1,67 @@
+"""The attention-state algebra as ``@triton.jit`` helpers, shared by every kernel.
+
+Note [Attention states inside kernels]
+--------------------------------------
+A state of a key set ``I`` is ``(o, lse)`` with ``lse = log sum_{i in I} exp(s_i)`` and ``o`` the
+softmax-weighted mean of the values. Inside kernels every LSE and running max is kept in **base 2**
+(``s * log2(e)``) so that ``exp2`` (one MUFU instruction) replaces ``exp``; public APIs see natural
+logs. ``LOG2E``/``LN2`` below are the only conversion constants.
+
+A running accumulator is ``(m, l, acc)``: ``m`` the running max (base 2), ``l = sum 2^(x - m)`` and
+``acc = sum 2^(x - m) * v``. Adding items with scores ``x`` (a tile of keys, or whole states whose
+"score" is their lse and whose "value" is their ``o``) is the same max-subtracted update, so one
+helper, :func:`running_max`, computes the rescale factor for level 1 (tiles), level 2 (splits),
+level 3 (ranks) and the cascade. Its guard makes ``-inf - -inf`` impossible: when nothing has been
+seen yet the reference max is 0, every weight is ``2^-inf = 0`` and the state stays empty (o = 0,
+lse = -inf) without a NaN.
+"""
+import triton
+import triton.language as tl
+
+from .. import state
+
+LOG2E = tl.constexpr(state.LOG2E)
+LN2 = tl.constexpr(state.LN2)
+
+
+@triton.jit
+def running_max(m_i, m_x):
+    """New running max, the finite reference max to subtract, and the rescale of the old sums."""
+    m_new = tl.maximum(m_i, m_x)
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    return m_new, m_ref, alpha
+
+
+@triton.jit
+def softmax_tile(m_i, l_i, acc, b_s):
+    """Level 1 (online softmax): fold a tile of base-2 scores ``b_s [M, N]`` into ``(m, l, acc)``.
+
+    Returns the new ``(m, l)``, the rescaled ``acc`` and the tile's weights ``p [M, N]``; the caller
+    adds ``p @ v`` to ``acc``.
+    """
+    m_new, m_ref, alpha = running_max(m_i, tl.max(b_s, 1))
+    p = tl.exp2(b_s - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    return m_new, l_i, acc, p
+
+
+@triton.jit
+def add_state(m_i, l_i, acc, b_lse2, b_o):
+    """Levels 2, 3 and cascade: fold normalised states ``(b_o [M, D], b_lse2 [M])`` into ``(m, l, acc)``."""
+    m_new, m_ref, alpha = running_max(m_i, b_lse2)
+    w = tl.exp2(b_lse2 - m_ref)
+    l_i = l_i * alpha + w
+    acc = acc * alpha[:, None] + w[:, None] * b_o
+    return m_new, l_i, acc
+
+
+@triton.jit
+def finalize(m_i, l_i, acc):
+    """``(m, l, acc)`` -> normalised state ``(o [M, D], lse2 [M])``; an empty set gives (0, -inf)."""
+    has = l_i > 0.0
+    l_safe = tl.where(has, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    lse2 = tl.where(has, m_i + tl.log2(l_safe), float("-inf"))
+    return o, lse2

@@ -1,0 +1,175 @@
+"""Split-KV decode kernel (⊕ levels 1 and 2) with the combine fused in.
+
+Note [Split-KV decode with a fused combine]
+-------------------------------------------
+Grid ``(B * Hkv, S)``. Program ``(i_bh, i_s)`` owns KV head ``i_h`` of sequence ``i_b`` and the token
+range ``[i_s * CHUNK, (i_s + 1) * CHUNK) ∩ [0, seq_len)`` with ``CHUNK = TILES_PER_SPLIT * BLOCK_N``.
+The ``GROUP_SIZE`` query heads that read this KV head are packed into the ``BLOCK_H`` rows of one tile
+(pack-GQA), so each K/V tile is loaded once per group and meets the queries through ``tl.dot``.
+Level 1: the online softmax over ``BLOCK_N`` tiles (``softmax_tile``). An empty range leaves the
+state empty (o = 0, lse = -inf).
+
+With one split the program writes the output directly. With several, it writes its state to an fp32
+workspace ``[S, B * Hq, D]`` (lse base 2), then takes a ticket from a per-(b, kv-head) counter with an
+acq_rel atomic: the program that draws the last ticket merges the states of the non-empty splits
+(level 2, ``add_state``) and resets the counter to 0, so the next call (or CUDA-graph replay) starts
+clean. One launch, no host synchronisation, no value-dependent allocation. The split layout depends on
+``T_max`` only; ``seq_lens`` are read on the device.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from ._state import LN2, LOG2E, add_state, finalize, softmax_tile
+
+
+@triton.jit
+def _split_kv_kernel(
+    Q, K, V, SEQ_LENS, O, LSE, O_PART, LSE_PART, COUNTER,
+    sm_scale, T_MAX, TILES_PER_SPLIT, NUM_SPLITS, HKV,
+    stride_qb, stride_qh,
+    stride_kb, stride_kh, stride_kt,
+    stride_vb, stride_vh, stride_vt,
+    stride_ob, stride_oh,
+    GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_SEQ_LENS: tl.constexpr, IS_SPLIT: tl.constexpr, FUSE_COMBINE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    i_bh = tl.program_id(0)
+    i_s = tl.program_id(1)
+    i_b = i_bh // HKV
+    i_h = i_bh % HKV
+    i_b64 = i_b.to(tl.int64)
+    i_h64 = i_h.to(tl.int64)
+
+    if HAS_SEQ_LENS:
+        seq_len = tl.load(SEQ_LENS + i_b).to(tl.int32)
+        seq_len = tl.minimum(tl.maximum(seq_len, 0), T_MAX)
+    else:
+        seq_len = T_MAX
+    chunk = TILES_PER_SPLIT * BLOCK_N
+    t_start = i_s * chunk
+    t_end = tl.minimum(t_start + chunk, seq_len)
+
+    o_g = tl.arange(0, BLOCK_H)
+    o_d = tl.arange(0, BLOCK_D)
+    m_g = o_g < GROUP_SIZE
+    m_d = o_d < HEAD_DIM
+    m_gd = m_g[:, None] & m_d[None, :]
+    o_hq = i_h64 * GROUP_SIZE + o_g  # query heads of this KV head
+
+    p_q = Q + i_b64 * stride_qb + o_hq[:, None] * stride_qh + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_gd, other=0.0)
+    qk_scale = sm_scale * LOG2E
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    p_k0 = K + i_b64 * stride_kb + i_h64 * stride_kh
+    p_v0 = V + i_b64 * stride_vb + i_h64 * stride_vh
+    for t0 in range(t_start, t_end, BLOCK_N):
+        o_t = t0 + tl.arange(0, BLOCK_N)
+        m_t = o_t < t_end
+        o_t64 = o_t.to(tl.int64)
+        m_td = m_t[:, None] & m_d[None, :]
+        b_k = tl.load(p_k0 + o_t64[:, None] * stride_kt + o_d[None, :], mask=m_td, other=0.0)
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * qk_scale
+        b_s = tl.where(m_t[None, :], b_s, float("-inf"))
+        m_i, l_i, acc, p = softmax_tile(m_i, l_i, acc, b_s)
+        b_v = tl.load(p_v0 + o_t64[:, None] * stride_vt + o_d[None, :], mask=m_td, other=0.0)
+        acc = tl.dot(p.to(b_v.dtype), b_v, acc, input_precision=DOT_PRECISION)
+    b_o, b_lse2 = finalize(m_i, l_i, acc)
+
+    p_o = O + i_b64 * stride_ob + o_hq[:, None] * stride_oh + o_d[None, :]
+    p_lse = LSE + i_b64 * (HKV * GROUP_SIZE) + o_hq
+    if IS_SPLIT:
+        # Workspace rows: [S, B * Hq, D]; row = b * Hq + query head.
+        n_rows = tl.num_programs(0).to(tl.int64) * GROUP_SIZE
+        o_row = i_b64 * (HKV * GROUP_SIZE) + o_hq
+        p_op = O_PART + (i_s * n_rows + o_row)[:, None] * HEAD_DIM + o_d[None, :]
+        tl.store(p_op, b_o, mask=m_gd)
+        tl.store(LSE_PART + i_s * n_rows + o_row, b_lse2, mask=m_g)
+        if FUSE_COMBINE:
+            tl.debug_barrier()
+            ticket = tl.atomic_add(COUNTER + i_bh, 1, sem="acq_rel", scope="gpu")
+            if ticket == NUM_SPLITS - 1:
+                # Last program of this (b, kv head): merge the non-empty splits (level 2).
+                m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+                l_i = tl.zeros([BLOCK_H], tl.float32)
+                acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+                for j in range(0, tl.cdiv(seq_len, chunk)):
+                    p_lp = LSE_PART + j * n_rows + o_row
+                    b_lse2 = tl.load(p_lp, mask=m_g, other=float("-inf"), cache_modifier=".cg")
+                    p_op = O_PART + (j * n_rows + o_row)[:, None] * HEAD_DIM + o_d[None, :]
+                    b_oj = tl.load(p_op, mask=m_gd, other=0.0, cache_modifier=".cg")
+                    m_i, l_i, acc = add_state(m_i, l_i, acc, b_lse2, b_oj)
+                b_o, b_lse2 = finalize(m_i, l_i, acc)
+                tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_gd)
+                tl.store(p_lse, b_lse2 * LN2, mask=m_g)
+                tl.atomic_xchg(COUNTER + i_bh, 0)
+    else:
+        tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_gd)
+        tl.store(p_lse, b_lse2 * LN2, mask=m_g)
+
+
+_COUNTERS: dict = {}
+
+
+def _counter(device: torch.device, n: int) -> torch.Tensor:
+    """A zeroed int32 buffer of at least ``n`` tickets for ``device``; the kernel leaves it zeroed.
+
+    Kept per (device, stream): two decodes in flight on different streams must not share tickets.
+    """
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
+
+
+def default_config(head_dim: int, dtype: torch.dtype) -> tuple:
+    """Kernel tile config ``(BLOCK_N, num_warps, num_stages)``: tuned on the H200, see benchmarks/NOTES.md."""
+    if dtype == torch.float32 or head_dim > 128:
+        return (32, 4, 2)
+    return (64, 4, 3)
+
+
+def split_kv_decode(q, k, v, seq_lens, o, lse, *, sm_scale, num_splits, tiles_per_split,
+                    config, fuse_combine=True):
+    """Launch the split-KV kernel on ``k``/``v`` viewed as ``[B, Hkv, T, D]`` (any strides, unit stride in
+    D); inputs were validated by :func:`cp_attention.flash_decode`.
+
+    Writes ``o [B, Hq, D]`` (q.dtype) and ``lse [B, Hq]`` (float32, natural log). With
+    ``fuse_combine=False`` and ``num_splits > 1`` it returns the workspace ``(o_part [S, B*Hq, D],
+    lse_part [S, B*Hq] base 2)`` for a separate merge instead of writing ``o``/``lse``.
+    """
+    batch, hq, head_dim = q.shape
+    hkv, t_max = k.shape[1], k.shape[2]
+    block_n, num_warps, num_stages = config
+    is_split = num_splits > 1
+    if is_split:
+        o_part = torch.empty(num_splits, batch * hq, head_dim, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(num_splits, batch * hq, dtype=torch.float32, device=q.device)
+        counter = _counter(q.device, batch * hkv)
+    else:
+        o_part = lse_part = counter = o  # unused
+    group = hq // hkv
+    _split_kv_kernel[(batch * hkv, num_splits)](
+        q, k, v, seq_lens if seq_lens is not None else q, o, lse, o_part, lse_part, counter,
+        float(sm_scale), t_max, tiles_per_split, num_splits, hkv,
+        q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        o.stride(0), o.stride(1),
+        GROUP_SIZE=group, HEAD_DIM=head_dim,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        HAS_SEQ_LENS=seq_lens is not None, IS_SPLIT=is_split, FUSE_COMBINE=fuse_combine,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if is_split and not fuse_combine:
+        return o_part, lse_part
+    return None

@@ -1,0 +1,151 @@
+"""Attention states and the exact merge operator ⊕ (torch code path and dispatch).
+
+Note [The merge operator ⊕]
+---------------------------
+For a set ``I`` of keys with scores ``s_i = sm_scale * q.k_i``, the attention state is
+``lse(I) = log sum_{i in I} exp(s_i)`` (natural log, float32) and ``o(I) = sum_i exp(s_i - lse(I)) v_i``.
+For disjoint ``I`` and ``J``::
+
+    lse(I ∪ J) = log(exp(lse_I) + exp(lse_J))
+    o(I ∪ J)   = (exp(lse_I) o_I + exp(lse_J) o_J) / (exp(lse_I) + exp(lse_J))
+
+⊕ is associative and commutative with identity ``(o = 0, lse = -inf)``. It is evaluated in max-subtracted
+form, in float32: with ``m = max_j lse_j`` the weights are ``exp(lse_j - m) <= 1``, so lse values in the
+hundreds or thousands never overflow; when every input is empty the reference max is 0, so no
+``-inf - -inf`` is ever formed and the result is the empty state, not NaN. The Triton kernels use the
+same rule in base 2 (``ops/_state.py``).
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from ._dispatch import FLOAT_DTYPES, check_tensor, use_triton
+
+__all__ = ["AttentionState", "merge", "merge_states", "lse_to_base2", "lse_from_base2"]
+
+LN2 = math.log(2.0)
+LOG2E = 1.0 / LN2
+
+
+class AttentionState(NamedTuple):
+    """The attention state ``(o, lse)`` of a key set.
+
+    ``o``: ``[..., D]`` normalised output over the key set (float16, bfloat16 or float32).
+    ``lse``: ``[...]`` float32, natural-log ``log sum_j exp(sm_scale * q.k_j)``; ``-inf`` for an empty
+    key set, whose ``o`` is 0. ``a | b`` is ``a ⊕ b``.
+
+    >>> a = AttentionState(torch.tensor([[1.0, 0.0]]), torch.tensor([0.0]))
+    >>> (a | AttentionState.empty((1,), 2)).o
+    tensor([[1., 0.]])
+    """
+
+    o: torch.Tensor
+    lse: torch.Tensor
+
+    def __or__(self, other: "AttentionState") -> "AttentionState":
+        return merge(self, other)
+
+    @classmethod
+    def empty(cls, shape, head_dim: int, *, dtype=torch.float32, device=None) -> "AttentionState":
+        """The identity of ⊕: ``o = 0`` of shape ``[*shape, head_dim]`` in ``dtype``, ``lse = -inf`` float32."""
+        shape = tuple(shape) if not isinstance(shape, int) else (shape,)
+        return cls(
+            torch.zeros(*shape, head_dim, dtype=dtype, device=device),
+            torch.full(shape, float("-inf"), dtype=torch.float32, device=device),
+        )
+
+
+def _check_state_pair(o: torch.Tensor, lse: torch.Tensor, o_name: str, lse_name: str) -> None:
+    check_tensor(o_name, o, dtypes=FLOAT_DTYPES)
+    check_tensor(lse_name, lse, dtypes=(torch.float32,), device=o.device)
+    if o.dim() < 1 or tuple(lse.shape) != tuple(o.shape[:-1]):
+        raise ValueError(
+            f"{lse_name} must have shape {tuple(o.shape[:-1])} (= {o_name}.shape[:-1]), got {tuple(lse.shape)}"
+        )
+
+
+def merge_states(o: torch.Tensor, lse: torch.Tensor) -> AttentionState:
+    """⊕ over dim 0: merge ``N`` states of disjoint key sets into one.
+
+    Args:
+        o: ``[N, ..., D]`` float16, bfloat16 or float32.
+        lse: ``[N, ...]`` float32, natural log; ``-inf`` marks an empty state.
+
+    Returns:
+        ``AttentionState`` with ``o [..., D]`` in ``o.dtype`` and ``lse [...]`` float32 (natural log).
+        Runs the Triton merge kernel for CUDA tensors (and for CPU tensors under ``TRITON_INTERPRET=1``),
+        else plain torch; the arithmetic is float32 either way.
+
+    >>> o = torch.tensor([[[1.0, 0.0]], [[0.0, 1.0]]])
+    >>> merge_states(o, torch.zeros(2, 1)).o
+    tensor([[0.5000, 0.5000]])
+    """
+    _check_state_pair(o, lse, "o", "lse")
+    if o.dim() < 2 or o.shape[0] < 1:
+        raise ValueError(f"o must have shape [N, ..., D] with N >= 1, got {tuple(o.shape)}")
+    n, d = o.shape[0], o.shape[-1]
+    lead = tuple(o.shape[1:-1])
+    if use_triton(o):
+        from .ops.merge import merge_states_into
+
+        m = math.prod(lead)
+        o3 = o.reshape(n, m, d)
+        if o3.stride(-1) != 1:
+            o3 = o3.contiguous()
+        out_o = torch.empty(lead + (d,), dtype=o.dtype, device=o.device)
+        out_lse = torch.empty(lead, dtype=torch.float32, device=o.device)
+        merge_states_into(o3, lse.reshape(n, m), out_o.view(m, d), out_lse.view(m))
+        return AttentionState(out_o, out_lse)
+    return _merge_states_torch(o, lse)
+
+
+def _merge_states_torch(o: torch.Tensor, lse: torch.Tensor) -> AttentionState:
+    m = lse.amax(dim=0)
+    m_ref = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+    w = torch.exp(lse - m_ref)
+    l = w.sum(dim=0)
+    acc = (w.unsqueeze(-1) * o.float()).sum(dim=0)
+    has = l > 0
+    l_safe = torch.where(has, l, torch.ones_like(l))
+    out_o = acc / l_safe.unsqueeze(-1)
+    out_lse = torch.where(has, m_ref + torch.log(l_safe), torch.full_like(l, float("-inf")))
+    return AttentionState(out_o.to(o.dtype), out_lse)
+
+
+def merge(a: AttentionState, b: AttentionState) -> AttentionState:
+    """``a ⊕ b``: exact merge of the states of two disjoint key sets (float32 math).
+
+    ``a.o`` and ``b.o``: ``[..., D]`` of one shape; ``a.lse``/``b.lse``: ``[...]`` float32, natural log.
+    The result's ``o`` has ``a.o``'s dtype.
+
+    >>> a = AttentionState(torch.tensor([[1.0, 0.0]]), torch.tensor([0.0]))
+    >>> b = AttentionState(torch.tensor([[0.0, 1.0]]), torch.tensor([0.0]))
+    >>> merge(a, b).lse
+    tensor([0.6931])
+    """
+    for name, s in (("a", a), ("b", b)):
+        if not isinstance(s, tuple) or len(s) != 2:
+            raise TypeError(f"{name} must be an AttentionState (o, lse), got {type(s).__name__}")
+        _check_state_pair(s[0], s[1], f"{name}.o", f"{name}.lse")
+    if a[0].shape != b[0].shape:
+        raise ValueError(f"b.o must have a.o's shape {tuple(a[0].shape)}, got {tuple(b[0].shape)}")
+    if a[0].device != b[0].device:
+        raise ValueError(f"b must be on a's device {a[0].device}, got {b[0].device}")
+    oa, ob = a[0], b[0]
+    if oa.dtype != ob.dtype:
+        oa, ob = oa.float(), ob.float()
+    out = merge_states(torch.stack([oa, ob]), torch.stack([a[1], b[1]]))
+    return AttentionState(out.o.to(a[0].dtype), out.lse)
+
+
+def lse_to_base2(lse: torch.Tensor) -> torch.Tensor:
+    """Natural-log LSE -> base-2 LSE (FlashInfer's convention): ``lse * log2(e)``."""
+    return lse * LOG2E
+
+
+def lse_from_base2(lse2: torch.Tensor) -> torch.Tensor:
+    """Base-2 LSE (FlashInfer's convention) -> natural-log LSE: ``lse2 * ln(2)``."""
+    return lse2 * LN2
