@@ -24,3 +24,8 @@ def check_tensor(name: str, t, *, dtypes=None, ndim=None, device=None) -> None:
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def new_buffer(shape, dtype, device) -> torch.Tensor:
+    """Uninitialised buffer for a kernel to fill (tests replace this to poison outputs with NaN)."""
+    return torch.empty(shape, dtype=dtype, device=device)

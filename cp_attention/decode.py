@@ -7,6 +7,7 @@ import numbers
 import torch
 import triton
 
+from . import _dispatch
 from ._dispatch import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, use_triton
 from .heuristics import decode_num_splits
 from .state import AttentionState, lse_from_base2
@@ -117,8 +118,8 @@ def flash_decode(q, k, v, seq_lens=None, *, sm_scale=None, num_splits=None, kv_l
         num_splits = decode_num_splits(b, hkv, t_max, config[0], _num_sms(q.device))
     tiles_per_split = triton.cdiv(n_blocks, min(num_splits, n_blocks))
     splits = triton.cdiv(n_blocks, tiles_per_split)
-    o = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty(b, hq, dtype=torch.float32, device=q.device)
+    o = _dispatch.new_buffer((b, hq, d), q.dtype, q.device)
+    lse = _dispatch.new_buffer((b, hq), torch.float32, q.device)
     if b * hq == 0:
         return AttentionState(o, lse) if return_lse else o
     parts = split_kv_decode(q, k, v, seq_lens, o, lse, sm_scale=scale, num_splits=splits,

@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import _dispatch
 from ._dispatch import FLOAT_DTYPES, check_tensor, use_triton
 
 __all__ = ["AttentionState", "merge", "merge_states", "lse_to_base2", "lse_from_base2"]
@@ -95,8 +96,8 @@ def merge_states(o: torch.Tensor, lse: torch.Tensor) -> AttentionState:
         o3 = o.reshape(n, m, d)
         if o3.stride(-1) != 1:
             o3 = o3.contiguous()
-        out_o = torch.empty(lead + (d,), dtype=o.dtype, device=o.device)
-        out_lse = torch.empty(lead, dtype=torch.float32, device=o.device)
+        out_o = _dispatch.new_buffer(lead + (d,), o.dtype, o.device)
+        out_lse = _dispatch.new_buffer(lead, torch.float32, o.device)
         merge_states_into(o3, lse.reshape(n, m), out_o.view(m, d), out_lse.view(m))
         return AttentionState(out_o, out_lse)
     return _merge_states_torch(o, lse)

@@ -52,3 +52,14 @@ def merge_states_into(o: torch.Tensor, lse: torch.Tensor, o_out: torch.Tensor, l
         o.stride(0), o.stride(1), lse.stride(0), lse.stride(1), o_out.stride(0),
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4,
     )
+
+
+# A realistic sm_90 compile of this file's kernel, checked on the CPU by tests/test_aot.py.
+AOT_SPECS = [
+    {
+        "kernel": _merge_states_kernel,
+        "signature": {"O": "*bf16", "LSE": "*fp32", "O_OUT": "*bf16", "LSE_OUT": "*fp32"},
+        "constexprs": {"HEAD_DIM": 128, "BLOCK_M": 4, "BLOCK_D": 128},
+        "options": {"num_warps": 4},
+    }
+]

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import _dispatch
+from ._dot import dot, dot_flags
 from ._state import LN2, LOG2E, add_state, finalize, softmax_tile
 
 
@@ -34,7 +36,7 @@ def _split_kv_kernel(
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_SEQ_LENS: tl.constexpr, IS_SPLIT: tl.constexpr, FUSE_COMBINE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     i_bh = tl.program_id(0)
     i_s = tl.program_id(1)
@@ -74,11 +76,11 @@ def _split_kv_kernel(
         o_t64 = o_t.to(tl.int64)
         m_td = m_t[:, None] & m_d[None, :]
         b_k = tl.load(p_k0 + o_t64[:, None] * stride_kt + o_d[None, :], mask=m_td, other=0.0)
-        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * qk_scale
+        b_s = dot(b_q, tl.trans(b_k), None, INPUT_PRECISION, UPCAST) * qk_scale
         b_s = tl.where(m_t[None, :], b_s, float("-inf"))
         m_i, l_i, acc, p = softmax_tile(m_i, l_i, acc, b_s)
         b_v = tl.load(p_v0 + o_t64[:, None] * stride_vt + o_d[None, :], mask=m_td, other=0.0)
-        acc = tl.dot(p.to(b_v.dtype), b_v, acc, input_precision=DOT_PRECISION)
+        acc = dot(p.to(b_v.dtype), b_v, acc, INPUT_PRECISION, UPCAST)
     b_o, b_lse2 = finalize(m_i, l_i, acc)
 
     p_o = O + i_b64 * stride_ob + o_hq[:, None] * stride_oh + o_d[None, :]
@@ -150,8 +152,8 @@ def split_kv_decode(q, k, v, seq_lens, o, lse, *, sm_scale, num_splits, tiles_pe
     block_n, num_warps, num_stages = config
     is_split = num_splits > 1
     if is_split:
-        o_part = torch.empty(num_splits, batch * hq, head_dim, dtype=torch.float32, device=q.device)
-        lse_part = torch.empty(num_splits, batch * hq, dtype=torch.float32, device=q.device)
+        o_part = _dispatch.new_buffer((num_splits, batch * hq, head_dim), torch.float32, q.device)
+        lse_part = _dispatch.new_buffer((num_splits, batch * hq), torch.float32, q.device)
         counter = _counter(q.device, batch * hkv)
     else:
         o_part = lse_part = counter = o  # unused
@@ -167,9 +169,25 @@ def split_kv_decode(q, k, v, seq_lens, o, lse, *, sm_scale, num_splits, tiles_pe
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(head_dim),
         HAS_SEQ_LENS=seq_lens is not None, IS_SPLIT=is_split, FUSE_COMBINE=fuse_combine,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        **dot_flags(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
     if is_split and not fuse_combine:
         return o_part, lse_part
     return None
+
+
+# Realistic sm_90 compiles of this file's kernels, checked on the CPU by tests/test_aot.py.
+_PTRS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "SEQ_LENS": "*i32", "O": "*bf16", "LSE": "*fp32",
+         "O_PART": "*fp32", "LSE_PART": "*fp32", "COUNTER": "*i32", "sm_scale": "fp32"}
+AOT_SPECS = [
+    {
+        "kernel": _split_kv_kernel,
+        "signature": _PTRS,
+        "constexprs": dict(GROUP_SIZE=group, HEAD_DIM=128, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128,
+                           HAS_SEQ_LENS=True, IS_SPLIT=split, FUSE_COMBINE=True,
+                           INPUT_PRECISION="tf32", UPCAST=False),
+        "options": {"num_warps": 4, "num_stages": 3},
+    }
+    for group, split in ((4, True), (5, False))
+]

@@ -1,0 +1,279 @@
+"""``cascade_decode``: decode attention over a cache stored in levels (shared prefixes, then each request's own).
+
+Note [Cascade attention]
+------------------------
+A request's keys are the concatenation of its segments of every level: e.g. a system prompt shared by
+the whole batch, a document shared by a group of requests, then the request's own generated tokens.
+The key sets are disjoint, so the attention over their union is the ⊕ of one state per level (the
+cascade row of DESIGN.md's table). A level is computed by the kernel that suits its sharing:
+
+* one segment per request (``S == B``, no ``segment_ids``): the split-KV decode kernel
+  (:func:`cp_attention.flash_decode`), which streams each request's K/V once;
+* shared segments (``S == 1``, or ``segment_ids``): the shared-segment kernel (``ops/prefix.py``), which
+  stacks the query rows of all the requests reading a segment into the ``M`` dimension of a tile, so a
+  shared K/V tile is read once per 128 query rows and multiplied on the tensor cores instead of being
+  re-read by every request (Note [Shared-segment attention as a prefill-shaped tile]).
+
+Each level writes float32 states into slots of one workspace ``[n_slots, B * Hq, D]`` (a shared level
+one slot per KV split); one launch of the merge kernel then folds all slots into the output. Levels with
+``T == 0`` add no slot; a request that reads no key at all gets ``o = 0``, ``lse = -inf``. The layout
+(slots, splits, tiles) depends on shapes only, and no device value is read on the host for CUDA tensors,
+so a call can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+
+from . import _dispatch
+from ._dispatch import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, use_triton
+from .decode import _num_sms, flash_decode
+from .heuristics import num_splits as wave_num_splits
+from .state import AttentionState, merge_states
+
+__all__ = ["CascadeLevel", "cascade_decode"]
+
+
+class CascadeLevel(NamedTuple):
+    """One level of a cascade KV cache.
+
+    ``k``, ``v``: ``[S, Hkv, T, D]`` (HND; unit stride in D), the ``S`` segments of this level, q's dtype
+    and device. ``seq_lens``: ``[S]`` int32/int64, valid length of each segment (``None``: all ``T``).
+    ``segment_ids``: ``[B]`` int32/int64, the segment each request reads; ``None`` when ``S == 1`` (every
+    request reads it) or ``S == B`` (request ``b`` reads segment ``b``).
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    seq_lens: Optional[torch.Tensor] = None
+    segment_ids: Optional[torch.Tensor] = None
+
+
+# Kinds of level (how its segments are read).
+_PER_REQUEST, _SHARED_ALL, _SEGMENTS = "per_request", "shared_all", "segments"
+
+# A shared-level split covers at least this many K/V tiles (each split pays a prologue and a state write).
+_MIN_TILES_PER_SPLIT = 4
+
+
+def _validate(q, levels, sm_scale, return_lse) -> list:
+    check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
+    if q.stride(-1) != 1:
+        raise ValueError(f"q must have a contiguous last dim (stride 1), got strides {q.stride()}")
+    b, hq, d = q.shape
+    if d % 8 != 0 or not 32 <= d <= 256:
+        raise ValueError(f"q head dim must be a multiple of 8 in [32, 256], got {d}")
+    if not isinstance(levels, (list, tuple)):
+        raise TypeError(f"levels must be a list or tuple of CascadeLevel, got {type(levels).__name__}")
+    if len(levels) == 0:
+        raise ValueError("levels must hold at least one CascadeLevel, got none")
+    kinds, hkv0 = [], None
+    for i, lvl in enumerate(levels):
+        name = f"levels[{i}]"
+        if not isinstance(lvl, CascadeLevel):
+            raise TypeError(f"{name} must be a CascadeLevel, got {type(lvl).__name__}")
+        for part in ("k", "v"):
+            t = getattr(lvl, part)
+            check_tensor(f"{name}.{part}", t, ndim=4, device=q.device)
+            if t.dtype != q.dtype:
+                raise TypeError(f"{name}.{part} must have q's dtype {q.dtype}, got {t.dtype}")
+            if t.stride(-1) != 1:
+                raise ValueError(f"{name}.{part} must have a contiguous last dim (stride 1), got strides {t.stride()}")
+        k, v = lvl.k, lvl.v
+        if v.shape != k.shape:
+            raise ValueError(f"{name}.v must have {name}.k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+        n_seg, hkv, t_max, dk = k.shape
+        if n_seg < 1:
+            raise ValueError(f"{name}.k must have at least one segment in dim 0, got shape {tuple(k.shape)}")
+        if dk != d:
+            raise ValueError(f"{name}.k must have head dim {d} (q.shape[2]) in dim 3, got shape {tuple(k.shape)}")
+        if hkv0 is None:
+            hkv0 = hkv
+            if hkv < 1 or hq % hkv != 0:
+                raise ValueError(f"q heads ({hq}) must be a multiple of the KV heads of {name}.k ({hkv})")
+        elif hkv != hkv0:
+            raise ValueError(f"{name}.k must have {hkv0} KV heads in dim 1 (as levels[0].k), got shape {tuple(k.shape)}")
+        if lvl.seq_lens is not None:
+            check_tensor(f"{name}.seq_lens", lvl.seq_lens, dtypes=INDEX_DTYPES, ndim=1, device=q.device)
+            if lvl.seq_lens.shape[0] != n_seg:
+                raise ValueError(f"{name}.seq_lens must have shape [{n_seg}] ({name}.k.shape[0]), "
+                                 f"got {tuple(lvl.seq_lens.shape)}")
+            if not lvl.seq_lens.is_cuda and n_seg > 0:
+                lo, hi = int(lvl.seq_lens.min()), int(lvl.seq_lens.max())
+                if lo < 0 or hi > t_max:
+                    raise ValueError(f"{name}.seq_lens must lie in [0, {t_max}] ({name}.k.shape[2]), "
+                                     f"got values in [{lo}, {hi}]")
+        ids = lvl.segment_ids
+        if ids is None:
+            if n_seg == b:
+                kinds.append(_PER_REQUEST)
+            elif n_seg == 1:
+                kinds.append(_SHARED_ALL)
+            else:
+                raise ValueError(f"{name}.segment_ids is None, so {name}.k must have 1 or B = {b} segments in "
+                                 f"dim 0, got {n_seg}")
+        else:
+            check_tensor(f"{name}.segment_ids", ids, dtypes=INDEX_DTYPES, ndim=1, device=q.device)
+            if ids.shape[0] != b:
+                raise ValueError(f"{name}.segment_ids must have shape [{b}] (q.shape[0]), got {tuple(ids.shape)}")
+            if not ids.is_cuda and b > 0:
+                lo, hi = int(ids.min()), int(ids.max())
+                if lo < 0 or hi >= n_seg:
+                    raise ValueError(f"{name}.segment_ids must lie in [0, {n_seg - 1}] ({name}.k has {n_seg} "
+                                     f"segments), got values in [{lo}, {hi}]")
+            kinds.append(_SEGMENTS)
+    if sm_scale is not None and (not isinstance(sm_scale, numbers.Real) or isinstance(sm_scale, bool)
+                                 or not math.isfinite(sm_scale)):
+        raise TypeError(f"sm_scale must be a finite real number or None, got {sm_scale!r}")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
+    return kinds
+
+
+def cascade_decode(q, levels, *, sm_scale=None, return_lse=False, _num_splits=None, _config=None):
+    """Exact decode attention over a cache stored in levels of shared and per-request segments.
+
+    Equals :func:`cp_attention.flash_decode` over, per request, the concatenation of its segments of
+    every level (in any order: attention does not depend on the order of the keys), while a shared
+    segment's K/V is read once for all the requests that share it
+    (Note [Cascade attention]).
+
+    Args:
+        q: ``[B, Hq, D]`` float16, bfloat16 or float32; last dim contiguous; ``D`` a multiple of 8 in
+            ``[32, 256]``.
+        levels: non-empty list of :class:`CascadeLevel`; every level has q's dtype, device, head dim and
+            the same ``Hkv`` (``Hq % Hkv == 0``: query head ``h`` reads KV head ``h // (Hq // Hkv)``).
+            ``seq_lens`` and ``segment_ids`` are checked on the host for CPU tensors; on the GPU
+            they are clamped to their range.
+        sm_scale: score scale (default ``1 / sqrt(D)``).
+        return_lse: also return the natural-log LSE.
+
+    Returns:
+        ``o [B, Hq, D]`` in q's dtype, or ``AttentionState(o, lse [B, Hq] float32, natural log)`` with
+        ``return_lse=True``. A request whose segments are all empty gets ``o = 0``, ``lse = -inf``. CUDA
+        tensors run the Triton kernels (no host sync); CPU tensors run them under ``TRITON_INTERPRET=1``,
+        else the float32 torch path.
+
+    >>> q = torch.randn(3, 8, 64)
+    >>> prefix = CascadeLevel(torch.randn(1, 2, 100, 64), torch.randn(1, 2, 100, 64))
+    >>> suffix = CascadeLevel(torch.randn(3, 2, 16, 64), torch.randn(3, 2, 16, 64), torch.tensor([16, 5, 0]))
+    >>> cascade_decode(q, [prefix, suffix], return_lse=True).lse.shape
+    torch.Size([3, 8])
+    """
+    kinds = _validate(q, levels, sm_scale, return_lse)
+    b, hq, d = q.shape
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    # Levels without keys add nothing to any request.
+    work = [(lvl, kind) for lvl, kind in zip(levels, kinds) if lvl.k.shape[2] > 0]
+    if not use_triton(q):
+        st = _cascade_torch(q, work, scale)
+    elif b * hq == 0 or not work:
+        st = AttentionState.empty((b, hq), d, dtype=q.dtype, device=q.device)
+    else:
+        st = _cascade_triton(q, work, scale, _num_splits, _config)
+    return st if return_lse else st.o
+
+
+def _cascade_triton(q, work, scale, fixed_splits, config) -> AttentionState:
+    from .ops.merge import merge_states_into
+    from .ops.prefix import default_config, prefix_attention
+
+    b, hq, d = q.shape
+    hkv = work[0][0].k.shape[1]
+    group = hq // hkv
+    plans = []  # (level, kind, config, n_tiles, splits, tiles_per_split)
+    for lvl, kind in work:
+        if kind == _PER_REQUEST:
+            plans.append((lvl, kind, None, 0, 1, 0))
+            continue
+        n_seg, t_max = lvl.k.shape[0], lvl.k.shape[2]
+        # Segments read by some request: at most min(S, B); 1 when every request reads the one segment.
+        n_read = 1 if kind == _SHARED_ALL else min(n_seg, b)
+        cfg = config or default_config(d, q.dtype, triton.cdiv(b * group, n_read))
+        block_m, block_n = cfg[0], cfg[1]
+        # Row tiles never cross a segment: at most ceil(B * GROUP / BLOCK_M) + n_read - 1 of them.
+        n_tiles = triton.cdiv(b * group, block_m) + n_read - 1
+        n_blocks = triton.cdiv(t_max, block_n)
+        splits = fixed_splits or _prefix_num_splits(n_tiles * hkv, n_blocks, _num_sms(q.device))
+        tiles_per_split = triton.cdiv(n_blocks, min(splits, n_blocks))
+        plans.append((lvl, kind, cfg, n_tiles, triton.cdiv(n_blocks, tiles_per_split), tiles_per_split))
+
+    n_slots = sum(p[4] for p in plans)
+    o_all = _dispatch.new_buffer((n_slots, b * hq, d), torch.float32, q.device)
+    lse_all = _dispatch.new_buffer((n_slots, b * hq), torch.float32, q.device)
+    slot = 0
+    for lvl, kind, cfg, n_tiles, splits, tiles_per_split in plans:
+        if kind == _PER_REQUEST:
+            st = flash_decode(q, lvl.k, lvl.v, lvl.seq_lens, sm_scale=scale, return_lse=True)
+            o_all[slot].copy_(st.o.view(b * hq, d))
+            lse_all[slot].copy_(st.lse.view(b * hq))
+        else:
+            perm = tiles = None
+            if kind == _SEGMENTS:
+                perm, tiles = _tile_table(lvl.segment_ids, lvl.k.shape[0], group, cfg[0], n_tiles)
+            prefix_attention(q, lvl.k, lvl.v, lvl.seq_lens, perm, tiles,
+                             o_all[slot:slot + splits], lse_all[slot:slot + splits], sm_scale=scale,
+                             n_tiles=n_tiles, num_splits=splits, tiles_per_split=tiles_per_split, config=cfg)
+        slot += splits
+    o = _dispatch.new_buffer((b, hq, d), q.dtype, q.device)
+    lse = _dispatch.new_buffer((b, hq), torch.float32, q.device)
+    merge_states_into(o_all, lse_all, o.view(b * hq, d), lse.view(b * hq))
+    return AttentionState(o, lse)
+
+
+def _prefix_num_splits(work_items: int, n_kv_blocks: int, num_sms: int) -> int:
+    """Splits of a shared level's tokens: FA2's wave rule on ``2 * num_sms`` slots (about two waves; a
+    128-row tile with a 3-stage K/V pipeline takes 128 KB of shared memory, one program per SM), no split
+    under ``_MIN_TILES_PER_SPLIT`` tiles. Shapes only, so a CUDA graph replays with new values."""
+    target = wave_num_splits(work_items, 2 * num_sms, n_kv_blocks, max_splits=128)
+    return max(1, min(target, n_kv_blocks // _MIN_TILES_PER_SPLIT))
+
+
+def _tile_table(segment_ids, n_seg, group, block_m, n_tiles):
+    """Requests sorted by segment (``perm [B]`` int64) and the row-tile table ``[n_tiles, 3]`` int32 of
+    (segment, first segment-sorted row, valid rows), built with device ops only (no host sync).
+
+    Rows are numbered request-major in the sorted order (``row = sorted position * group + head``); a
+    segment's ``count * group`` rows are cut into ``ceil(rows / block_m)`` tiles; tiles past the total have
+    0 valid rows.
+    """
+    dev = segment_ids.device
+    seg = segment_ids.long().clamp(0, n_seg - 1)
+    counts = torch.zeros(n_seg, dtype=torch.long, device=dev).scatter_add_(0, seg, torch.ones_like(seg))
+    perm = torch.argsort(seg, stable=True)
+    rows = counts * group
+    seg_tiles = (rows + block_m - 1) // block_m
+    tile_end = torch.cumsum(seg_tiles, 0)
+    t = torch.arange(n_tiles, device=dev)
+    t_seg = torch.searchsorted(tile_end, t, right=True)
+    valid = t_seg < n_seg
+    t_seg = t_seg.clamp(max=n_seg - 1)
+    local_row0 = (t - (tile_end - seg_tiles)[t_seg]) * block_m
+    n_rows = torch.where(valid, (rows[t_seg] - local_row0).clamp(max=block_m), torch.zeros_like(t))
+    row0 = (torch.cumsum(rows, 0) - rows)[t_seg] + local_row0
+    return perm, torch.stack([t_seg, row0, n_rows], dim=1).to(torch.int32)
+
+
+def _cascade_torch(q, work, scale) -> AttentionState:
+    """The float32 torch path: each level gathered per request, attended by the reference, merged by ⊕."""
+    from .reference import attention
+
+    b, hq, d = q.shape
+    states = []
+    for lvl, kind in work:
+        if kind == _PER_REQUEST:
+            idx = torch.arange(b, device=q.device)
+        elif kind == _SHARED_ALL:
+            idx = torch.zeros(b, dtype=torch.long, device=q.device)
+        else:
+            idx = lvl.segment_ids.long()
+        seq = lvl.seq_lens[idx] if lvl.seq_lens is not None else None
+        states.append(attention(q, lvl.k[idx], lvl.v[idx], seq, sm_scale=scale))
+    if not states:
+        return AttentionState.empty((b, hq), d, dtype=q.dtype, device=q.device)
+    st = merge_states(torch.stack([s.o for s in states]), torch.stack([s.lse for s in states]))
+    return AttentionState(st.o.to(q.dtype), st.lse)

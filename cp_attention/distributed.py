@@ -1,0 +1,389 @@
+"""Context-parallel decode: a KV cache sharded along the sequence across ranks, merged exactly with ⊕.
+
+Note [Context-parallel decode]
+------------------------------
+The KV cache of every sequence is split along the token axis over the ``W`` ranks of a process group;
+each rank holds one shard ``[B, Hkv, C, D]`` with its valid tokens packed to the front and counted by a
+per-rank ``seq_lens``. Decode then takes three steps on every rank:
+
+1. local attention: ``flash_decode(q, k_shard, v_shard, seq_lens_shard, return_lse=True)`` gives the
+   state ``(o_r, lse_r)`` of this rank's keys (``lse_r = -inf``, ``o_r = 0`` for an empty shard);
+2. one all-gather: ``o_r`` (as float32) and ``lse_r`` are packed into one float32 buffer
+   ``[B, Hq, D + 1]``, so a single collective of ``B * Hq * (D + 1)`` floats per rank moves both;
+3. ⊕ over the gathered ``[W, B, Hq, D]`` states with :func:`cp_attention.state.merge_states`
+   (max-subtracted, float32; see Note [The merge operator ⊕] in ``state.py``).
+
+The key sets of the ranks are disjoint and their union is the whole cache, so the result is the attention
+over the unsharded cache. Every rank merges the same gathered tensor in rank order with the same code, so
+the result is bitwise identical on every rank. An all-gather is used rather than Tree Attention's two
+all-reduces (a MAX of the lse, then a SUM of rescaled numerators and denominators): one collective instead
+of two, both tiny, and the merge order is fixed instead of being the reduction order of the backend.
+
+Placement. ``"contiguous"``: rank ``r`` owns cache positions ``[r*C, (r+1)*C)`` with
+``C = ceil(T_max / W)``; for a prefill it is the natural split, but the shard of the last rank fills
+last. ``"interleaved"``: rank ``r`` owns the positions ``p`` with ``p % W == r``; decode appends
+(:class:`CPKVCache`) then land round-robin and every shard grows by one token every ``W`` steps, so the
+shards stay balanced however long the generation runs. With either placement the valid positions of a
+shard (``p < seq_len``) are a prefix of the shard, so packing is a strided copy.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import struct
+
+import torch
+import torch.distributed as dist
+
+from ._dispatch import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
+from .decode import _validate, flash_decode
+from .state import AttentionState, merge_states
+
+__all__ = ["all_gather_states", "merge_across_ranks", "shard_kv", "cp_flash_decode", "CPKVCache"]
+
+PLACEMENTS = ("contiguous", "interleaved")
+_DTYPE_CODES = {dtype: i + 1 for i, dtype in enumerate(FLOAT_DTYPES)}
+# torch >= 2.13 names the one-tensor all-gather all_gather_single; older releases all_gather_into_tensor.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _check_state(state) -> None:
+    if not isinstance(state, tuple) or len(state) != 2:
+        raise TypeError(f"state must be an AttentionState (o, lse), got {type(state).__name__}")
+    o, lse = state
+    check_tensor("state.o", o, dtypes=FLOAT_DTYPES)
+    check_tensor("state.lse", lse, dtypes=(torch.float32,), device=o.device)
+    if o.dim() < 1 or tuple(lse.shape) != tuple(o.shape[:-1]):
+        raise ValueError(f"state.lse must have shape {tuple(o.shape[:-1])} (= state.o.shape[:-1]), "
+                         f"got {tuple(lse.shape)}")
+
+
+def all_gather_states(state, group=None) -> AttentionState:
+    """Gather every rank's attention state with one collective.
+
+    Args:
+        state: ``AttentionState(o [..., D], lse [...])``: ``o`` float16, bfloat16 or float32, ``lse``
+            float32 natural log; the same shape and dtype on every rank of ``group``.
+        group: the process group (default: the world). Its backend must support the one-tensor
+            all-gather (NCCL and gloo do).
+
+    Returns:
+        ``AttentionState(o [W, ..., D] in state.o's dtype, lse [W, ...] float32)`` with ``W`` the group
+        size; entry ``r`` is rank ``r``'s state. ``o`` and ``lse`` travel together as one float32 buffer
+        ``[..., D + 1]`` (see Note [Context-parallel decode]); for float32 ``o`` both are strided views
+        of that buffer.
+
+    >>> # on each of 2 ranks, after dist.init_process_group(...)
+    >>> st = all_gather_states(AttentionState(torch.zeros(4, 8, 64), torch.zeros(4, 8)))
+    >>> st.o.shape, st.lse.shape
+    (torch.Size([2, 4, 8, 64]), torch.Size([2, 4, 8]))
+    """
+    _check_state(state)
+    o, lse = state
+    world = dist.get_world_size(group)
+    d = o.shape[-1]
+    packed = torch.cat([o.float(), lse.unsqueeze(-1)], dim=-1)
+    gathered = torch.empty((world,) + tuple(packed.shape), dtype=torch.float32, device=o.device)
+    # Flat 1-D buffers: every backend accepts a concatenation along dim 0 (gloo rejects a stack).
+    _all_gather_single(gathered.view(-1), packed.view(-1), group=group)
+    return AttentionState(gathered[..., :d].to(o.dtype), gathered[..., d])
+
+
+def merge_across_ranks(state, group=None) -> AttentionState:
+    """⊕ of every rank's attention state: the state of the union of the ranks' (disjoint) key sets.
+
+    Args:
+        state: ``AttentionState(o [..., D], lse [...])`` as in :func:`all_gather_states`.
+        group: the process group (default: the world).
+
+    Returns:
+        ``AttentionState(o [..., D] in state.o's dtype, lse [...] float32, natural log)``, bitwise
+        identical on every rank (every rank merges the same gathered states in rank order).
+
+    >>> # rank r holds the state of its own keys; every rank gets the state of all keys
+    >>> merged = merge_across_ranks(AttentionState(o_local, lse_local))
+    """
+    gathered = all_gather_states(state, group)
+    return merge_states(gathered.o, gathered.lse)
+
+
+def _check_int(name: str, value, lo: int, hi: int | None = None) -> int:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        expected = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{name} must be {expected}, got {value}")
+    return int(value)
+
+
+def _interleaved_counts(seq_lens: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """How many positions ``p < seq_len`` have ``p % world_size == rank``: ``ceil((seq_len - rank) / W)``,
+    at least 0 (``seq_len - rank + W - 1 >= 0`` since ``rank < W``, so floor division is exact)."""
+    return torch.div(seq_lens - rank + world_size - 1, world_size, rounding_mode="floor")
+
+
+def shard_kv(k, v, seq_lens, rank, world_size, placement="contiguous"):
+    """One rank's shard of a KV cache split along the sequence (see Note [Context-parallel decode]).
+
+    Args:
+        k, v: ``[B, Hkv, T_max, D]`` (HND), one shape, dtype and device; any float dtype.
+        seq_lens: ``[B]`` int32/int64 on k's device, ``0 <= len <= T_max``, or ``None`` (all ``T_max``).
+        rank: this rank, ``0 <= rank < world_size``.
+        world_size: number of ranks, ``>= 1``.
+        placement: ``"contiguous"`` (rank ``r`` owns positions ``[r*C, (r+1)*C)``, ``C = ceil(T_max / W)``)
+            or ``"interleaved"`` (positions ``p`` with ``p % W == r``).
+
+    Returns:
+        ``(k_shard, v_shard, seq_lens_shard)``: ``k_shard``/``v_shard`` ``[B, Hkv, C, D]`` contiguous copies
+        (``C = ceil(T_max / W)`` for both placements; slots past the owned positions are zero) with the
+        valid tokens (positions ``< seq_len``) in order at the front, and ``seq_lens_shard [B]`` (seq_lens'
+        dtype, int64 for ``None``) counting them; 0 is normal. Computed with device ops, no host sync
+        except the range check of CPU ``seq_lens``.
+
+    >>> k = torch.randn(2, 1, 10, 32)
+    >>> ks, vs, lens = shard_kv(k, k, torch.tensor([10, 3]), rank=1, world_size=4, placement="interleaved")
+    >>> ks.shape, lens.tolist()
+    (torch.Size([2, 1, 3, 32]), [3, 1])
+    """
+    world_size = _check_int("world_size", world_size, 1)
+    rank = _check_int("rank", rank, 0, world_size - 1)
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    check_tensor("k", k, dtypes=FLOAT_DTYPES, ndim=4)
+    check_tensor("v", v, dtypes=(k.dtype,), ndim=4, device=k.device)
+    if v.shape != k.shape:
+        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    b, _, t_max, _ = k.shape
+    if seq_lens is None:
+        seq_lens = torch.full((b,), t_max, dtype=torch.int64, device=k.device)
+    check_tensor("seq_lens", seq_lens, dtypes=INDEX_DTYPES, ndim=1, device=k.device)
+    if seq_lens.shape[0] != b:
+        raise ValueError(f"seq_lens must have shape [{b}] (k.shape[0]), got {tuple(seq_lens.shape)}")
+    if not seq_lens.is_cuda and b > 0:
+        lo, hi = int(seq_lens.min()), int(seq_lens.max())
+        if lo < 0 or hi > t_max:
+            raise ValueError(f"seq_lens must lie in [0, {t_max}] (T_max), got values in [{lo}, {hi}]")
+    cap = -(-t_max // world_size)
+    if placement == "contiguous":
+        start = rank * cap
+        idx = slice(start, min(start + cap, t_max))
+        lens = (seq_lens - start).clamp(0, cap)
+    else:
+        idx = slice(rank, t_max, world_size)
+        lens = _interleaved_counts(seq_lens, rank, world_size)
+    shards = []
+    for t in (k, v):
+        part = t[:, :, idx]
+        shard = t.new_zeros(t.shape[:2] + (cap,) + t.shape[3:])
+        shard[:, :, : part.shape[2]] = part
+        shards.append(shard)
+    return shards[0], shards[1], lens.to(seq_lens.dtype)
+
+
+def _collective_device(group) -> torch.device:
+    backend = str(dist.get_backend(group))
+    if "nccl" in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _check_metadata(q, k_shard, v_shard, seq_lens_shard, kwargs, group) -> None:
+    """Validate locally, then all-gather ``(ok, B, Hq, D, dtype, Hkv, sm_scale bits)`` so that an argument
+    rejected on one rank, or shapes that differ across ranks, raise on every rank instead of hanging."""
+    error = None
+    try:
+        hkv, _ = _validate(q, k_shard, v_shard, seq_lens_shard, kwargs.get("sm_scale"),
+                           kwargs.get("num_splits"), kwargs.get("kv_layout", "HND"), False)
+        b, hq, d = q.shape
+        scale = kwargs.get("sm_scale")
+        scale = 1.0 / math.sqrt(d) if scale is None else scale
+        scale_bits = struct.unpack("<q", struct.pack("<d", float(scale)))[0]
+        meta = [1, b, hq, d, _DTYPE_CODES[q.dtype], hkv, scale_bits]
+    except (ValueError, TypeError) as exc:
+        error = exc
+        meta = [0] * 7
+    world = dist.get_world_size(group)
+    device = _collective_device(group)
+    mine = torch.tensor(meta, dtype=torch.int64, device=device)
+    everyone = torch.empty(world * len(meta), dtype=torch.int64, device=device)
+    _all_gather_single(everyone, mine, group=group)
+    rows = everyone.view(world, len(meta)).tolist()
+    if error is not None:
+        raise error
+    bad = [r for r, row in enumerate(rows) if row[0] == 0]
+    if bad:
+        raise ValueError(f"cp_flash_decode: rank(s) {bad} rejected their arguments (see their error)")
+    names = ("B", "Hq", "D", "dtype", "Hkv", "sm_scale")
+    codes = {c: str(t).replace("torch.", "") for t, c in _DTYPE_CODES.items()}
+
+    def describe(row):
+        vals = dict(zip(names, row[1:]))
+        vals["dtype"] = codes[vals["dtype"]]
+        vals["sm_scale"] = struct.unpack("<d", struct.pack("<q", vals["sm_scale"]))[0]
+        return ", ".join(f"{n}={vals[n]}" for n in names)
+
+    if any(row != rows[0] for row in rows):
+        detail = "; ".join(f"rank {r}: {describe(row)}" for r, row in enumerate(rows))
+        raise ValueError("cp_flash_decode: q (batch, heads, head dim, dtype), the KV heads of k_shard and "
+                         f"sm_scale must match on every rank, got {detail}")
+
+
+def cp_flash_decode(q, k_shard, v_shard, seq_lens_shard, *, group=None, check_metadata=True,
+                    **flash_decode_kwargs):
+    """Decode attention over a KV cache sharded across ranks: equals :func:`flash_decode` on the
+    unsharded cache (see Note [Context-parallel decode]). Every rank of ``group`` calls it.
+
+    Args:
+        q: ``[B, Hq, D]`` float16, bfloat16 or float32; the same query on every rank.
+        k_shard, v_shard: this rank's shard, ``[B, Hkv, C, D]`` (HND; ``kv_layout="NHD"`` for
+            ``[B, C, Hkv, D]``), q's dtype and device. ``C`` may differ across ranks.
+        seq_lens_shard: ``[B]`` int32/int64, valid tokens of this shard (0 for an empty shard), or ``None``.
+        group: the process group (default: the world).
+        check_metadata: all-gather ``(B, Hq, D, dtype, Hkv, sm_scale)`` first and raise ``ValueError`` on
+            every rank if they differ or if any rank rejected its arguments (instead of a hang or a wrong
+            merge). It syncs with the host: pass ``False`` on the hot path and inside CUDA graphs.
+        **flash_decode_kwargs: ``sm_scale``, ``num_splits``, ``kv_layout``, ``return_lse`` as in
+            :func:`flash_decode` (``sm_scale`` must be the same on every rank).
+
+    Returns:
+        ``o [B, Hq, D]`` in q's dtype, or ``AttentionState(o, lse [B, Hq] float32, natural log)`` with
+        ``return_lse=True``; bitwise identical on every rank. No host sync with ``check_metadata=False``
+        on CUDA (it can be captured in a CUDA graph; NCCL collectives can be).
+
+    >>> # rank r of W, after dist.init_process_group(...); k, v [B, Hkv, T, D] the full cache
+    >>> ks, vs, lens = shard_kv(k, v, seq_lens, dist.get_rank(), dist.get_world_size())
+    >>> o = cp_flash_decode(q, ks, vs, lens)          # == flash_decode(q, k, v, seq_lens)
+    """
+    return_lse = flash_decode_kwargs.pop("return_lse", False)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
+    if not isinstance(check_metadata, bool):
+        raise TypeError(f"check_metadata must be a bool, got {check_metadata!r}")
+    if check_metadata:
+        _check_metadata(q, k_shard, v_shard, seq_lens_shard, flash_decode_kwargs, group)
+    local = flash_decode(q, k_shard, v_shard, seq_lens_shard, return_lse=True, **flash_decode_kwargs)
+    merged = merge_across_ranks(local, group)
+    return merged if return_lse else merged.o
+
+
+class CPKVCache:
+    """One rank's shard of a KV cache for context-parallel decode, interleaved placement.
+
+    Global position ``p`` of every sequence lives on rank ``p % W`` at local slot ``p // W`` (the
+    ``"interleaved"`` placement of :func:`shard_kv`), so a decode step's token ``t`` goes to rank
+    ``t % W`` and the shards stay balanced. Every rank calls :meth:`append` with the same token; only the
+    owner stores it.
+
+    Attributes:
+        k, v: ``[B, Hkv, capacity, D]`` views of this rank's buffers (``capacity = ceil(max_seq_len / W)``).
+        seq_lens: ``[B]`` int32 on ``device``: valid tokens of this shard.
+        global_seq_lens: ``[B]`` int64 on ``device``: length of each whole sequence.
+
+    CUDA graphs. :meth:`append` decides the owner and slot on the device from ``global_seq_lens``
+    (``owner = len % W``, ``slot = len // W``); a non-owner writes into one scratch slot past the
+    capacity that is never read, so every rank runs the same kernels whatever the step. Hence one
+    captured graph of ``cache.append(k_in, v_in); o_out.copy_(cache.decode(q_in, check_metadata=False))``
+    with static ``k_in``, ``v_in``, ``q_in`` (fill them with ``copy_`` before each replay) is replayed step
+    after step. The host-side count that guards the capacity is not advanced by replays: the caller
+    bounds them by :attr:`free_slots` (beyond it, tokens are dropped on the device, never written out
+    of bounds).
+
+    >>> cache = CPKVCache(2, 8, 128, max_seq_len=4096, rank=dist.get_rank(), world_size=dist.get_world_size())
+    >>> cache.append(k_tok, v_tok)     # [2, 8, 128] each, the same on every rank
+    >>> o = cache.decode(q)            # [2, Hq, 128], attention over all appended tokens
+    """
+
+    def __init__(self, batch, heads_kv, head_dim, max_seq_len, *, dtype=torch.bfloat16, device=None,
+                 rank=None, world_size=None, group=None):
+        """Empty cache for ``batch`` sequences of up to ``max_seq_len`` tokens each (all ranks together).
+
+        ``rank`` and ``world_size`` default to this process's rank and size in ``group``.
+        """
+        batch = _check_int("batch", batch, 1)
+        heads_kv = _check_int("heads_kv", heads_kv, 1)
+        head_dim = _check_int("head_dim", head_dim, 1)
+        max_seq_len = _check_int("max_seq_len", max_seq_len, 1)
+        if dtype not in FLOAT_DTYPES:
+            raise TypeError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype}")
+        world_size = dist.get_world_size(group) if world_size is None else world_size
+        world_size = _check_int("world_size", world_size, 1)
+        rank = dist.get_rank(group) if rank is None else rank
+        self.rank = _check_int("rank", rank, 0, world_size - 1)
+        self.world_size = world_size
+        self.group = group
+        self.max_seq_len = max_seq_len
+        self.capacity = -(-max_seq_len // world_size)
+        device = torch.device("cpu") if device is None else torch.device(device)
+        shape = (batch, heads_kv, self.capacity + 1, head_dim)  # + 1: the scratch slot of non-owners
+        self._k = torch.zeros(shape, dtype=dtype, device=device)
+        self._v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = self._k[:, :, : self.capacity]
+        self.v = self._v[:, :, : self.capacity]
+        self.seq_lens = torch.zeros(batch, dtype=torch.int32, device=device)
+        self.global_seq_lens = torch.zeros(batch, dtype=torch.int64, device=device)
+        self._batch_idx = torch.arange(batch, device=device)
+        self._host_max_len = 0
+
+    @classmethod
+    def from_prefix(cls, k, v, seq_lens, max_seq_len, *, rank=None, world_size=None, group=None):
+        """Cache holding this rank's interleaved shard of a prefix ``k``, ``v`` ``[B, Hkv, T, D]`` with
+        ``seq_lens [B]`` (``None``: all ``T``), room for ``max_seq_len >= T`` tokens per sequence.
+
+        >>> cache = CPKVCache.from_prefix(k, v, seq_lens, max_seq_len=k.shape[2] + 64)
+        """
+        check_tensor("k", k, dtypes=FLOAT_DTYPES, ndim=4)
+        b, hkv, t, d = k.shape
+        if isinstance(max_seq_len, numbers.Integral) and max_seq_len < t:
+            raise ValueError(f"max_seq_len must be >= the prefix capacity T = {t}, got {max_seq_len}")
+        cache = cls(b, hkv, d, max_seq_len, dtype=k.dtype, device=k.device, rank=rank,
+                    world_size=world_size, group=group)
+        k_shard, v_shard, _ = shard_kv(k, v, seq_lens, cache.rank, cache.world_size, "interleaved")
+        cache.k[:, :, : k_shard.shape[2]] = k_shard
+        cache.v[:, :, : v_shard.shape[2]] = v_shard
+        cache.set_lengths(torch.full((b,), t, device=k.device) if seq_lens is None else seq_lens)
+        return cache
+
+    def set_lengths(self, seq_lens) -> None:
+        """Declare the whole-sequence lengths ``seq_lens [B]`` (int, ``<= max_seq_len``) of the tokens already
+        in the buffers (interleaved placement); sets :attr:`seq_lens` to this rank's share. One host sync.
+
+        Used after filling :attr:`k`/:attr:`v` directly, e.g. with a shard generated on this rank.
+        """
+        check_tensor("seq_lens", seq_lens, dtypes=INDEX_DTYPES, ndim=1, device=self.k.device)
+        if seq_lens.shape[0] != self.k.shape[0]:
+            raise ValueError(f"seq_lens must have shape [{self.k.shape[0]}], got {tuple(seq_lens.shape)}")
+        lo, hi = int(seq_lens.min()), int(seq_lens.max())
+        if lo < 0 or hi > self.max_seq_len:
+            raise ValueError(f"seq_lens must lie in [0, {self.max_seq_len}] (max_seq_len), got [{lo}, {hi}]")
+        self.global_seq_lens.copy_(seq_lens)
+        self.seq_lens.copy_(_interleaved_counts(self.global_seq_lens, self.rank, self.world_size))
+        self._host_max_len = hi
+
+    @property
+    def free_slots(self) -> int:
+        """Appends left before the longest sequence reaches ``max_seq_len`` (host-side count)."""
+        return self.max_seq_len - self._host_max_len
+
+    def append(self, k_new, v_new) -> None:
+        """Append one token per sequence: ``k_new``, ``v_new`` ``[B, Hkv, D]`` in the cache's dtype and device,
+        the same on every rank. Global position ``len`` goes to rank ``len % W``; no host sync."""
+        shape = (self.k.shape[0], self.k.shape[1], self.k.shape[3])
+        for name, t in (("k_new", k_new), ("v_new", v_new)):
+            check_tensor(name, t, dtypes=(self.k.dtype,), ndim=3, device=self.k.device)
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{name} must have shape {list(shape)} ([B, Hkv, D]), got {tuple(t.shape)}")
+        if self.free_slots < 1:
+            raise RuntimeError(f"CPKVCache is full: a sequence already holds max_seq_len = {self.max_seq_len}")
+        pos = self.global_seq_lens
+        slot = torch.div(pos, self.world_size, rounding_mode="floor")
+        mine = (pos.remainder(self.world_size) == self.rank) & (slot < self.capacity)
+        slot = torch.where(mine, slot, self.capacity)
+        self._k[self._batch_idx, :, slot] = k_new
+        self._v[self._batch_idx, :, slot] = v_new
+        self.seq_lens += mine.to(self.seq_lens.dtype)
+        self.global_seq_lens += 1
+        self._host_max_len += 1
+
+    def decode(self, q, **kwargs):
+        """:func:`cp_flash_decode` of ``q [B, Hq, D]`` over the cache (all ranks call it); ``kwargs`` as there."""
+        return cp_flash_decode(q, self.k, self.v, self.seq_lens, group=self.group, **kwargs)

@@ -1,0 +1,59 @@
+"""Compile every ``AOT_SPECS`` entry of cp_attention/ops for sm_90 and print a JSON report.
+
+Run in its own process (the interpreter must be off so ``@triton.jit`` gives compilable functions);
+tests/test_aot.py drives it.
+"""
+import importlib
+import json
+import os
+import pkgutil
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+import cp_attention.ops as ops_pkg  # noqa: E402
+
+
+def compile_spec(spec):
+    kernel, constexprs = spec["kernel"], spec["constexprs"]
+    sig, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+            continue
+        sig[name] = spec["signature"].get(name, "i32")
+        # Mirror the JIT's specialisation of launch arguments: pointers and strides divisible by 16.
+        if sig[name].startswith("*") or name.startswith("stride_"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=spec.get("options", {}))
+
+
+def main():
+    report = {"specs": [], "unregistered": []}
+    for info in pkgutil.iter_modules(ops_pkg.__path__):
+        mod = importlib.import_module(f"cp_attention.ops.{info.name}")
+        specs = getattr(mod, "AOT_SPECS", [])
+        registered = {id(s["kernel"]) for s in specs}
+        for name, fn in vars(mod).items():
+            if isinstance(fn, JITFunction) and name.endswith("_kernel") and id(fn) not in registered:
+                report["unregistered"].append(f"{info.name}.{name}")
+        for i, spec in enumerate(specs):
+            entry = {"id": f"{info.name}-{i}", "kernel": spec["kernel"].__name__, "constexprs": spec["constexprs"]}
+            try:
+                k = compile_spec(spec)
+                entry.update(ok=bool(k.asm.get("cubin")), ptx=k.asm["ptx"], shared=k.metadata.shared,
+                             num_warps=k.metadata.num_warps)
+            except Exception as e:  # reported, and failed, by the test
+                entry.update(ok=False, error=f"{type(e).__name__}: {e}")
+            report["specs"].append(entry)
+    json.dump(report, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

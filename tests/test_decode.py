@@ -1,0 +1,228 @@
+"""flash_decode against the float64 oracle: the seed's verification matrix (kernels under the interpreter)."""
+import math
+
+import pytest
+import torch
+
+from cp_attention import AttentionState, flash_decode, merge
+from cp_attention.heuristics import decode_num_splits, num_splits
+from cp_attention.ops.split_kv import _COUNTERS, default_config
+from cp_attention.reference import attention
+
+from .conftest import DEVICE
+
+TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def make(b, hq, hkv, t, d, dtype=torch.bfloat16, seed=0, layout="HND", q_gain=1.0):
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(b, hq, d, generator=g) * q_gain).to(dtype)
+    shape = (b, hkv, t, d) if layout == "HND" else (b, t, hkv, d)
+    k = torch.randn(shape, generator=g).to(dtype)
+    v = torch.randn(shape, generator=g).to(dtype)
+    return q.to(DEVICE), k.to(DEVICE), v.to(DEVICE)
+
+
+def check(q, k, v, seq_lens=None, layout="HND", **kw):
+    """Run flash_decode and compare o and lse with the float64 reference on the same (rounded) inputs."""
+    got = flash_decode(q, k, v, seq_lens, kv_layout=layout, return_lse=True, **kw)
+    ref = attention(q.double(), k.double(), v.double(), seq_lens, kv_layout=layout, sm_scale=kw.get("sm_scale"))
+    assert got.o.dtype == q.dtype and got.o.shape == q.shape
+    assert got.lse.dtype == torch.float32 and got.lse.shape == q.shape[:2]
+    assert not torch.isnan(got.o).any() and not torch.isnan(got.lse).any()
+    tol = TOL[q.dtype]
+    torch.testing.assert_close(got.o.double().cpu(), ref.o.cpu(), atol=tol, rtol=tol)
+    finite = torch.isfinite(ref.lse)
+    assert torch.equal(torch.isfinite(got.lse).cpu(), finite.cpu())
+    torch.testing.assert_close(got.lse.double()[finite].cpu(), ref.lse[finite].cpu(), atol=tol, rtol=1e-4)
+    assert (got.o[~finite] == 0).all() and torch.isneginf(got.lse[~finite]).all()
+    return got
+
+
+def lens(*xs):
+    return torch.tensor(xs, dtype=torch.int32, device=DEVICE)
+
+
+BN = default_config(64, torch.bfloat16)[0]  # BLOCK_N of the bf16 kernel
+
+# Split counts: 1 (no split), 2, 3, and the most (one tile each), over a ragged batch with empty splits.
+@pytest.mark.parametrize("splits", [1, 2, 3, 1000], ids=lambda s: f"S{s}")
+def test_num_splits_ragged_batch(splits):
+    q, k, v = make(4, 8, 2, 1000, 64, torch.float32, seed=splits)
+    check(q, k, v, lens(1000, 37, 1, 0), num_splits=splits)
+
+
+EDGE_LENS = [1, BN - 1, BN, BN + 1, 2 * BN - 1, 2 * BN + 1, 4 * BN - 1, 4 * BN + 1, 5 * BN]
+
+
+@pytest.mark.parametrize("splits", [1, 3], ids=lambda s: f"S{s}")
+def test_seq_len_edges(splits):
+    # T_max = 5 tiles; with 3 splits a split is 2 tiles (chunk = 2 * BLOCK_N): lengths straddle tile and
+    # split edges.
+    q, k, v = make(len(EDGE_LENS), 4, 1, 5 * BN, 32, torch.bfloat16, seed=splits)
+    check(q, k, v, lens(*EDGE_LENS), num_splits=splits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=lambda d: str(d)[6:])
+def test_large_logits(dtype):
+    q, k, v = make(3, 8, 2, 300, 64, dtype, seed=3, q_gain=40.0)
+    got = check(q, k, v, lens(300, 129, 1), num_splits=3)
+    assert got.lse.abs().max() > 100  # logits really are in the hundreds
+
+
+CASES = [
+    # (B, Hq, Hkv, D, T, dtype)
+    (3, 8, 8, 32, 100, torch.float32),    # MHA
+    (2, 8, 2, 40, 150, torch.float16),    # group 4
+    (2, 10, 2, 64, 200, torch.bfloat16),  # group 5
+    (1, 16, 2, 80, 130, torch.float16),   # group 8
+    (2, 12, 2, 96, 77, torch.bfloat16),   # group 6
+    (2, 7, 1, 128, 90, torch.float32),    # group 7
+    (1, 4, 2, 256, 70, torch.bfloat16),   # D 256
+    (2, 3, 3, 192, 40, torch.float16),    # D 192
+]
+
+
+@pytest.mark.parametrize("b,hq,hkv,d,t,dtype", CASES,
+                         ids=[f"B{b}-Hq{hq}-Hkv{hkv}-D{d}-T{t}-{str(dt)[6:]}" for b, hq, hkv, d, t, dt in CASES])
+def test_shapes_and_dtypes(b, hq, hkv, d, t, dtype):
+    q, k, v = make(b, hq, hkv, t, d, dtype, seed=d)
+    sl = lens(*[t - 1 - 17 * i for i in range(b)])
+    check(q, k, v, sl, num_splits=2)
+    check(q, k, v, None)  # default policy, no seq_lens
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_layouts(layout):
+    q, k, v = make(2, 8, 2, 200, 64, torch.bfloat16, seed=7, layout=layout)
+    check(q, k, v, lens(200, 61), layout=layout, num_splits=2)
+
+
+def test_layouts_agree():
+    q, k, v = make(2, 8, 2, 200, 64, torch.float32, seed=8)
+    a = flash_decode(q, k, v, lens(200, 61), num_splits=3)
+    b = flash_decode(q, k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(), lens(200, 61),
+                     kv_layout="NHD", num_splits=3)
+    torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_sliced_cache():
+    # A view into a larger cache: every stride differs from the packed one.
+    _, big_k, big_v = make(3, 8, 4, 400, 128, torch.float16, seed=9)
+    q, _, _ = make(2, 4, 2, 1, 64, torch.float16, seed=10)
+    k = big_k[1:, 1:3, 50:350, 32:96]
+    v = big_v[1:, 1:3, 50:350, 32:96]
+    assert not k.is_contiguous()
+    check(q, k, v, lens(300, 45), num_splits=3)
+    # NHD slice: [B, T, Hkv, D] view of a larger NHD cache
+    nk, nv = big_k.transpose(1, 2)[1:, 10:250, 1:3, :64], big_v.transpose(1, 2)[1:, 10:250, 1:3, :64]
+    check(q, nk, nv, lens(240, 3), layout="NHD", num_splits=2)
+
+
+def test_halves_merge_to_whole():
+    """lse is natural-log and scaled: two halves merged with ⊕ equal the whole cache."""
+    q, k, v = make(2, 8, 2, 300, 64, torch.float32, seed=11, q_gain=4.0)
+    scale = 0.3
+    whole = flash_decode(q, k, v, sm_scale=scale, return_lse=True)
+    a = flash_decode(q, k[:, :, :113], v[:, :, :113], sm_scale=scale, return_lse=True)
+    b = flash_decode(q, k[:, :, 113:], v[:, :, 113:], sm_scale=scale, return_lse=True, num_splits=2)
+    both = merge(a, b)
+    torch.testing.assert_close(both.o, whole.o, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(both.lse, whole.lse, atol=2e-6, rtol=1e-6)
+    ref = attention(q.double(), k.double(), v.double(), sm_scale=scale)
+    torch.testing.assert_close(whole.lse.double(), ref.lse, atol=1e-5, rtol=1e-6)
+
+
+def test_result_does_not_depend_on_split_count():
+    q, k, v = make(2, 8, 2, 700, 64, torch.float32, seed=12)
+    sl = lens(700, 333)
+    outs = [flash_decode(q, k, v, sl, num_splits=s, return_lse=True) for s in (1, 2, 5, 11)]
+    for o in outs[1:]:
+        torch.testing.assert_close(o.o, outs[0].o, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(o.lse, outs[0].lse, atol=1e-6, rtol=1e-6)
+
+
+def test_all_empty_and_repeated_calls_leave_counters_clean():
+    q, k, v = make(3, 4, 2, 150, 32, torch.float32, seed=13)
+    for sl in (lens(0, 0, 0), lens(150, 0, 7)):
+        got = check(q, k, v, sl, num_splits=3)
+    assert torch.isneginf(got.lse[1]).all() and (got.o[1] == 0).all()
+    assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values())
+
+
+def test_separate_combine_matches_fused():
+    q, k, v = make(2, 8, 2, 500, 64, torch.float32, seed=14)
+    sl = lens(500, 99)
+    fused = flash_decode(q, k, v, sl, num_splits=4, return_lse=True)
+    sep = flash_decode(q, k, v, sl, num_splits=4, return_lse=True, _fuse_combine=False)
+    torch.testing.assert_close(sep.o, fused.o, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(sep.lse, fused.lse, atol=1e-6, rtol=1e-6)
+
+
+def test_torch_path_matches_kernel(monkeypatch):
+    q, k, v = make(2, 8, 2, 100, 64, torch.float32, seed=15)
+    sl = lens(100, 5)
+    kern = flash_decode(q.cpu(), k.cpu(), v.cpu(), sl.cpu(), return_lse=True, num_splits=2)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    torch_path = flash_decode(q.cpu(), k.cpu(), v.cpu(), sl.cpu(), return_lse=True)
+    torch.testing.assert_close(kern.o, torch_path.o, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kern.lse, torch_path.lse, atol=1e-5, rtol=1e-5)
+
+
+def test_return_types():
+    q, k, v = make(1, 2, 1, 40, 32, torch.float16)
+    assert isinstance(flash_decode(q, k, v), torch.Tensor)
+    assert isinstance(flash_decode(q, k, v, return_lse=True), AttentionState)
+    assert flash_decode(q, k, v, lens(40).long()).dtype == torch.float16  # int64 seq_lens
+
+
+def test_fa2_split_table():
+    # Seed 002 section 6: 132 SMs, slots = 2 * SMs, BLOCK_N = 128.
+    rows = [(1, 8, 128_000), (1, 32, 32_000), (4, 8, 8_000), (16, 8, 4_000), (64, 32, 2_000), (1, 8, 300)]
+    got = [num_splits(b * h, 2 * 132, math.ceil(t / 128)) for b, h, t in rows]
+    assert got == [29, 7, 7, 2, 1, 3]
+
+
+def test_policy_depends_on_shapes_only():
+    assert decode_num_splits(64, 8, 4096, 64, 132) == 1  # the batch fills the machine
+    s = decode_num_splits(1, 8, 131072, 64, 132)
+    assert 8 <= s <= 128
+    assert decode_num_splits(1, 8, 64, 64, 132) == 1  # one tile: nothing to split
+
+
+q0, k0, v0 = make(2, 8, 2, 64, 64, torch.float16)
+BAD = [
+    ("q-list", lambda: flash_decode([1], k0, v0), TypeError, "q"),
+    ("q-int", lambda: flash_decode(q0.int(), k0, v0), TypeError, "q"),
+    ("q-4d", lambda: flash_decode(q0[None], k0, v0), ValueError, "q"),
+    ("k-dtype", lambda: flash_decode(q0, k0.float(), v0), TypeError, "k"),
+    ("v-dtype", lambda: flash_decode(q0, k0, v0.bfloat16()), TypeError, "v"),
+    ("k-3d", lambda: flash_decode(q0, k0[0], v0), ValueError, "k"),
+    ("v-shape", lambda: flash_decode(q0, k0, v0[:, :, :10]), ValueError, "v"),
+    ("k-batch", lambda: flash_decode(q0, k0[:1], v0[:1]), ValueError, "k"),
+    ("k-head-dim", lambda: flash_decode(q0, k0[..., :32], v0[..., :32]), ValueError, "k"),
+    ("k-last-dim-stride", lambda: flash_decode(q0, k0.transpose(2, 3), v0.transpose(2, 3)), ValueError, "k"),
+    ("q-last-dim-stride", lambda: flash_decode(q0.transpose(1, 2).contiguous().transpose(1, 2)[:, :, :8].transpose(1, 2).contiguous().transpose(1, 2),
+                                               k0, v0), ValueError, "q"),
+    ("heads", lambda: flash_decode(q0[:, :7], k0, v0), ValueError, "heads"),
+    ("head-dim-range", lambda: flash_decode(q0[..., :24], k0[..., :24], v0[..., :24]), ValueError, "head dim"),
+    ("head-dim-multiple", lambda: flash_decode(q0[..., :36], k0[..., :36], v0[..., :36]), ValueError, "head dim"),
+    ("layout", lambda: flash_decode(q0, k0, v0, kv_layout="BHTD"), ValueError, "kv_layout"),
+    ("seq_lens-dtype", lambda: flash_decode(q0, k0, v0, torch.ones(2)), TypeError, "seq_lens"),
+    ("seq_lens-shape", lambda: flash_decode(q0, k0, v0, lens(1, 2, 3)), ValueError, "seq_lens"),
+    ("seq_lens-range", lambda: flash_decode(q0.cpu(), k0.cpu(), v0.cpu(), torch.tensor([65, 3])), ValueError, "seq_lens"),
+    ("seq_lens-negative", lambda: flash_decode(q0.cpu(), k0.cpu(), v0.cpu(), torch.tensor([-1, 3])), ValueError, "seq_lens"),
+    ("seq_lens-device", lambda: flash_decode(q0, k0, v0, torch.ones(2, dtype=torch.int32, device="meta")), ValueError, "seq_lens"),
+    ("sm_scale", lambda: flash_decode(q0, k0, v0, sm_scale="0.1"), TypeError, "sm_scale"),
+    ("sm_scale-nan", lambda: flash_decode(q0, k0, v0, sm_scale=float("nan")), TypeError, "sm_scale"),
+    ("num_splits-type", lambda: flash_decode(q0, k0, v0, num_splits=2.0), TypeError, "num_splits"),
+    ("num_splits-zero", lambda: flash_decode(q0, k0, v0, num_splits=0), ValueError, "num_splits"),
+    ("return_lse", lambda: flash_decode(q0, k0, v0, return_lse=1), TypeError, "return_lse"),
+    ("k-device", lambda: flash_decode(q0, k0.to("meta"), v0), ValueError, "k"),
+]
+
+
+@pytest.mark.parametrize("fn,exc,name", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_input(fn, exc, name):
+    with pytest.raises(exc, match=name):
+        fn()
