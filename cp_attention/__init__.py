@@ -3,6 +3,7 @@
 Every piece of attention work returns an attention state ``(o, lse)``; states of disjoint key sets merge
 exactly with ⊕ (:func:`merge`). See ``state.py`` for the algebra.
 """
+from .cascade import CascadeLevel, cascade_decode
 from .decode import flash_decode
 from .state import AttentionState, lse_from_base2, lse_to_base2, merge, merge_states
 
@@ -13,4 +14,6 @@ __all__ = [
     "lse_to_base2",
     "lse_from_base2",
     "flash_decode",
+    "CascadeLevel",
+    "cascade_decode",
 ]

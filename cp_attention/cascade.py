@@ -32,7 +32,6 @@ import triton
 from . import _dispatch
 from ._dispatch import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, use_triton
 from .decode import _num_sms, flash_decode
-from .heuristics import num_splits as wave_num_splits
 from .state import AttentionState, merge_states
 
 __all__ = ["CascadeLevel", "cascade_decode"]
@@ -58,6 +57,7 @@ _PER_REQUEST, _SHARED_ALL, _SEGMENTS = "per_request", "shared_all", "segments"
 
 # A shared-level split covers at least this many K/V tiles (each split pays a prologue and a state write).
 _MIN_TILES_PER_SPLIT = 4
+_SPLIT_COST = 2
 
 
 def _validate(q, levels, sm_scale, return_lse) -> list:
@@ -67,6 +67,8 @@ def _validate(q, levels, sm_scale, return_lse) -> list:
     b, hq, d = q.shape
     if d % 8 != 0 or not 32 <= d <= 256:
         raise ValueError(f"q head dim must be a multiple of 8 in [32, 256], got {d}")
+    if isinstance(levels, CascadeLevel):
+        raise TypeError("levels must be a list or tuple of CascadeLevel, got one CascadeLevel (wrap it in a list)")
     if not isinstance(levels, (list, tuple)):
         raise TypeError(f"levels must be a list or tuple of CascadeLevel, got {type(levels).__name__}")
     if len(levels) == 0:
@@ -96,7 +98,8 @@ def _validate(q, levels, sm_scale, return_lse) -> list:
             if hkv < 1 or hq % hkv != 0:
                 raise ValueError(f"q heads ({hq}) must be a multiple of the KV heads of {name}.k ({hkv})")
         elif hkv != hkv0:
-            raise ValueError(f"{name}.k must have {hkv0} KV heads in dim 1 (as levels[0].k), got shape {tuple(k.shape)}")
+            raise ValueError(f"{name}.k must have {hkv0} KV heads in dim 1 (as levels[0].k), "
+                             f"got shape {tuple(k.shape)}")
         if lvl.seq_lens is not None:
             check_tensor(f"{name}.seq_lens", lvl.seq_lens, dtypes=INDEX_DTYPES, ndim=1, device=q.device)
             if lvl.seq_lens.shape[0] != n_seg:
@@ -226,11 +229,26 @@ def _cascade_triton(q, work, scale, fixed_splits, config) -> AttentionState:
 
 
 def _prefix_num_splits(work_items: int, n_kv_blocks: int, num_sms: int) -> int:
-    """Splits of a shared level's tokens: FA2's wave rule on ``2 * num_sms`` slots (about two waves; a
-    128-row tile with a 3-stage K/V pipeline takes 128 KB of shared memory, one program per SM), no split
-    under ``_MIN_TILES_PER_SPLIT`` tiles. Shapes only, so a CUDA graph replays with new values."""
-    target = wave_num_splits(work_items, 2 * num_sms, n_kv_blocks, max_splits=128)
-    return max(1, min(target, n_kv_blocks // _MIN_TILES_PER_SPLIT))
+    """Splits of a shared level's tokens for ``work_items`` (row tiles × KV heads) programs per split.
+
+    A 128-row program holds a whole SM (about 170 registers × 256 threads, 128 KB of shared memory), so
+    ``S`` splits run in ``ceil(work_items * S / num_sms)`` waves of ``ceil(n_kv_blocks / S) + _SPLIT_COST``
+    tile-times each (the constant is a split's prologue, state write and merge share). The policy takes
+    the ``S`` of least modelled time (the fewest splits on a tie), with at least ``_MIN_TILES_PER_SPLIT``
+    tiles a split. Shapes only, so a CUDA graph replays with new values.
+
+    >>> _prefix_num_splits(32, 512, 132)  # B = 128, GROUP = 4, BLOCK_M = 128, Hkv = 8, 32k tokens
+    4
+    """
+    max_splits = max(1, min(128, n_kv_blocks // _MIN_TILES_PER_SPLIT))
+    best, best_time = 1, None
+    for target in range(1, max_splits + 1):
+        tiles = math.ceil(n_kv_blocks / target)
+        splits = math.ceil(n_kv_blocks / tiles)  # the count that chunks of `tiles` tiles really give
+        t = math.ceil(work_items * splits / num_sms) * (tiles + _SPLIT_COST)
+        if best_time is None or t < best_time:
+            best, best_time = splits, t
+    return best
 
 
 def _tile_table(segment_ids, n_seg, group, block_m, n_tiles):

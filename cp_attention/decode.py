@@ -10,7 +10,7 @@ import triton
 from . import _dispatch
 from ._dispatch import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, use_triton
 from .heuristics import decode_num_splits
-from .state import AttentionState, lse_from_base2
+from .state import AttentionState
 
 __all__ = ["flash_decode"]
 
@@ -127,6 +127,5 @@ def flash_decode(q, k, v, seq_lens=None, *, sm_scale=None, num_splits=None, kv_l
     if parts is not None:  # separate combine (used to measure the combine's share)
         from .ops.merge import merge_states_into
 
-        o_part, lse_part2 = parts
-        merge_states_into(o_part, lse_from_base2(lse_part2), o.view(b * hq, d), lse.view(b * hq))
+        merge_states_into(*parts, o.view(b * hq, d), lse.view(b * hq), lse_base2=True)
     return AttentionState(o, lse) if return_lse else o

@@ -35,6 +35,7 @@ import struct
 import torch
 import torch.distributed as dist
 
+from . import _dispatch
 from ._dispatch import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
 from .decode import _validate, flash_decode
 from .state import AttentionState, merge_states
@@ -80,13 +81,19 @@ def all_gather_states(state, group=None) -> AttentionState:
     """
     _check_state(state)
     o, lse = state
-    world = dist.get_world_size(group)
+    gathered = _all_gather_packed(o, lse, group)
     d = o.shape[-1]
+    return AttentionState(gathered[..., :d].to(o.dtype), gathered[..., d])
+
+
+def _all_gather_packed(o, lse, group) -> torch.Tensor:
+    """One all-gather of ``[o (float32), lse]`` packed as ``[..., D + 1]``: returns ``[W, ..., D + 1]``."""
+    world = dist.get_world_size(group)
     packed = torch.cat([o.float(), lse.unsqueeze(-1)], dim=-1)
-    gathered = torch.empty((world,) + tuple(packed.shape), dtype=torch.float32, device=o.device)
+    gathered = _dispatch.new_buffer((world,) + tuple(packed.shape), torch.float32, o.device)
     # Flat 1-D buffers: every backend accepts a concatenation along dim 0 (gloo rejects a stack).
     _all_gather_single(gathered.view(-1), packed.view(-1), group=group)
-    return AttentionState(gathered[..., :d].to(o.dtype), gathered[..., d])
+    return gathered
 
 
 def merge_across_ranks(state, group=None) -> AttentionState:
@@ -103,8 +110,11 @@ def merge_across_ranks(state, group=None) -> AttentionState:
     >>> # rank r holds the state of its own keys; every rank gets the state of all keys
     >>> merged = merge_across_ranks(AttentionState(o_local, lse_local))
     """
-    gathered = all_gather_states(state, group)
-    return merge_states(gathered.o, gathered.lse)
+    _check_state(state)
+    o, lse = state
+    packed = _all_gather_packed(o, lse, group)
+    d = o.shape[-1]
+    return merge_states(packed[..., :d], packed[..., d], out_dtype=o.dtype)
 
 
 def _check_int(name: str, value, lo: int, hi: int | None = None) -> int:

@@ -68,15 +68,16 @@ def _check_state_pair(o: torch.Tensor, lse: torch.Tensor, o_name: str, lse_name:
         )
 
 
-def merge_states(o: torch.Tensor, lse: torch.Tensor) -> AttentionState:
+def merge_states(o: torch.Tensor, lse: torch.Tensor, *, out_dtype: torch.dtype | None = None) -> AttentionState:
     """⊕ over dim 0: merge ``N`` states of disjoint key sets into one.
 
     Args:
         o: ``[N, ..., D]`` float16, bfloat16 or float32.
         lse: ``[N, ...]`` float32, natural log; ``-inf`` marks an empty state.
+        out_dtype: dtype of the merged ``o`` (default: ``o.dtype``), written directly by the kernel.
 
     Returns:
-        ``AttentionState`` with ``o [..., D]`` in ``o.dtype`` and ``lse [...]`` float32 (natural log).
+        ``AttentionState`` with ``o [..., D]`` in ``out_dtype`` and ``lse [...]`` float32 (natural log).
         Runs the Triton merge kernel for CUDA tensors (and for CPU tensors under ``TRITON_INTERPRET=1``),
         else plain torch; the arithmetic is float32 either way.
 
@@ -89,6 +90,9 @@ def merge_states(o: torch.Tensor, lse: torch.Tensor) -> AttentionState:
         raise ValueError(f"o must have shape [N, ..., D] with N >= 1, got {tuple(o.shape)}")
     n, d = o.shape[0], o.shape[-1]
     lead = tuple(o.shape[1:-1])
+    out_dtype = o.dtype if out_dtype is None else out_dtype
+    if out_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
     if use_triton(o):
         from .ops.merge import merge_states_into
 
@@ -96,11 +100,12 @@ def merge_states(o: torch.Tensor, lse: torch.Tensor) -> AttentionState:
         o3 = o.reshape(n, m, d)
         if o3.stride(-1) != 1:
             o3 = o3.contiguous()
-        out_o = _dispatch.new_buffer(lead + (d,), o.dtype, o.device)
+        out_o = _dispatch.new_buffer(lead + (d,), out_dtype, o.device)
         out_lse = _dispatch.new_buffer(lead, torch.float32, o.device)
         merge_states_into(o3, lse.reshape(n, m), out_o.view(m, d), out_lse.view(m))
         return AttentionState(out_o, out_lse)
-    return _merge_states_torch(o, lse)
+    out = _merge_states_torch(o, lse)
+    return AttentionState(out.o.to(out_dtype), out.lse)
 
 
 def _merge_states_torch(o: torch.Tensor, lse: torch.Tensor) -> AttentionState:

@@ -111,10 +111,11 @@ def run(args, device, context, steps, check):
     kv_steps = torch.randn(2, steps, b, hkv, d, generator=shared, device=device, dtype=dtype)
     full = None
     if check:
-        k = torch.randn(b, hkv, max_seq_len, d, generator=shared, device=device, dtype=dtype)
-        v = torch.randn(b, hkv, max_seq_len, d, generator=shared, device=device, dtype=dtype)
-        cache = CPKVCache.from_prefix(k[:, :, :context], v[:, :, :context], lens, max_seq_len)
-        full = (k, v) if rank == 0 else None
+        k = torch.randn(b, hkv, context, d, generator=shared, device=device, dtype=dtype)
+        v = torch.randn(b, hkv, context, d, generator=shared, device=device, dtype=dtype)
+        cache = CPKVCache.from_prefix(k, v, lens, max_seq_len)
+        if rank == 0:  # the unsharded cache, with room for the appended tokens
+            full = [torch.nn.functional.pad(t, (0, 0, 0, steps)) for t in (k, v)]
         del k, v
     else:
         cache = CPKVCache(b, hkv, d, max_seq_len, dtype=dtype, device=device)
@@ -148,7 +149,10 @@ def run(args, device, context, steps, check):
     k, v = full
     atol, rtol = TOLERANCES[dtype]
     max_err, passed = 0.0, True
+    rows = torch.arange(b, device=device)
     for s in range(steps):
+        k[rows, :, lens + s] = kv_steps[0, s]
+        v[rows, :, lens + s] = kv_steps[1, s]
         ref = flash_decode(q_steps[s], k, v, lens + s + 1).float()
         err = (outs[s].float() - ref).abs()
         max_err = max(max_err, err.max().item())

@@ -48,8 +48,10 @@ def test_associative_and_commutative(seed, spread):
 def test_identity_and_empty():
     a = rand_state(4, 3, d=16)
     e = AttentionState.empty((4, 3), 16)
-    close(a | e, a, atol=0, rtol=0)
-    close(e | a, a, atol=0, rtol=0)
+    # o exactly; lse up to the rounding of the kernels' base-2 round trip (lse * log2(e) * ln(2)).
+    for merged in (a | e, e | a):
+        assert torch.equal(merged.o, a.o)
+        torch.testing.assert_close(merged.lse, a.lse, atol=0, rtol=2e-7)
     ee = e | e
     assert torch.equal(ee.o, torch.zeros(4, 3, 16))
     assert torch.isneginf(ee.lse).all()

@@ -49,12 +49,38 @@ def softmax_tile(m_i, l_i, acc, b_s):
 
 @triton.jit
 def add_state(m_i, l_i, acc, b_lse2, b_o):
-    """Levels 2, 3 and cascade: fold normalised states ``(b_o [M, D], b_lse2 [M])`` into ``(m, l, acc)``."""
+    """Fold one normalised state per row, ``(b_o [M, D], b_lse2 [M])``, into ``(m, l, acc)``."""
     m_new, m_ref, alpha = running_max(m_i, b_lse2)
     w = tl.exp2(b_lse2 - m_ref)
     l_i = l_i * alpha + w
     acc = acc * alpha[:, None] + w[:, None] * b_o
     return m_new, l_i, acc
+
+
+@triton.jit
+def merge_strided(p_lse, p_o, stride_lse, stride_o, n, o_d, m_d,
+                  LSE_SCALE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                  CACHE: tl.constexpr):
+    """Levels 2 and 3: ⊕ of the ``n`` states of one row, state ``j`` at ``p_lse + j * stride_lse`` (its lse,
+    times ``LSE_SCALE`` to make it base 2) and ``p_o + j * stride_o + o_d`` (its ``o``).
+
+    States are read ``BLOCK_S`` at a time (one load round trip per block, not per state): a block is a
+    tile of "keys" whose scores are their lse and whose values are their ``o``, folded in with
+    :func:`softmax_tile`. Returns ``(o [1, BLOCK_D] fp32, lse2 [1])``.
+    """
+    m_i = tl.full([1], float("-inf"), tl.float32)
+    l_i = tl.zeros([1], tl.float32)
+    acc = tl.zeros([1, BLOCK_D], tl.float32)
+    for j0 in range(0, n, BLOCK_S):
+        o_s = j0 + tl.arange(0, BLOCK_S)
+        m_s = o_s < n
+        o_s64 = o_s.to(tl.int64)
+        b_lse2 = tl.load(p_lse + o_s64 * stride_lse, mask=m_s, other=float("-inf"), cache_modifier=CACHE) * LSE_SCALE
+        p_os = p_o + o_s64[:, None] * stride_o + o_d[None, :]
+        b_o = tl.load(p_os, mask=m_s[:, None] & m_d[None, :], other=0.0, cache_modifier=CACHE).to(tl.float32)
+        m_i, l_i, acc, p = softmax_tile(m_i, l_i, acc, b_lse2[None, :])
+        acc += tl.sum(tl.trans(p) * b_o, 0, keep_dims=True)
+    return finalize(m_i, l_i, acc)
 
 
 @triton.jit

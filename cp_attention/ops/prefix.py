@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ._dot import dot, dot_flags
+from ._launch import launch
 from ._state import LN2, LOG2E, finalize, softmax_tile
 
 
@@ -158,17 +159,18 @@ def prefix_attention(q, k, v, seq_lens, perm, tiles, o_part, lse_part, *, sm_sca
     hkv, t_max = k.shape[1], k.shape[2]
     block_m, block_n, num_warps, num_stages = config
     has_segments = tiles is not None
-    _prefix_kernel[(n_tiles, num_splits, hkv)](
-        q, k, v, seq_lens if seq_lens is not None else q, perm if has_segments else q,
-        tiles if has_segments else q, o_part, lse_part,
-        float(sm_scale), t_max, tiles_per_split, batch * (hq // hkv),
-        q.stride(0), q.stride(1),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        o_part.stride(0), o_part.stride(1), lse_part.stride(0),
-        GROUP_SIZE=hq // hkv, HEAD_DIM=head_dim,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
-        HAS_SEQ_LENS=seq_lens is not None, HAS_SEGMENTS=has_segments,
-        **dot_flags(q.dtype),
+    launch(
+        _prefix_kernel, (n_tiles, num_splits, hkv),
+        (q, k, v, seq_lens if seq_lens is not None else q, perm if has_segments else q,
+         tiles if has_segments else q, o_part, lse_part,
+         float(sm_scale), t_max, tiles_per_split, batch * (hq // hkv),
+         q.stride(0), q.stride(1),
+         k.stride(0), k.stride(1), k.stride(2),
+         v.stride(0), v.stride(1), v.stride(2),
+         o_part.stride(0), o_part.stride(1), lse_part.stride(0)),
+        dict(GROUP_SIZE=hq // hkv, HEAD_DIM=head_dim,
+             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
+             HAS_SEQ_LENS=seq_lens is not None, HAS_SEGMENTS=has_segments,
+             **dot_flags(q.dtype)),
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -22,19 +22,20 @@ import triton.language as tl
 
 from .. import _dispatch
 from ._dot import dot, dot_flags
-from ._state import LN2, LOG2E, add_state, finalize, softmax_tile
+from ._launch import launch
+from ._state import LN2, LOG2E, finalize, merge_strided, softmax_tile
 
 
 @triton.jit
 def _split_kv_kernel(
-    Q, K, V, SEQ_LENS, O, LSE, O_PART, LSE_PART, COUNTER,
+    Q, K, V, SEQ_LENS, O, LSE, O_PART, COUNTER,
     sm_scale, T_MAX, TILES_PER_SPLIT, NUM_SPLITS, HKV,
     stride_qb, stride_qh,
     stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt,
     stride_ob, stride_oh,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
     HAS_SEQ_LENS: tl.constexpr, IS_SPLIT: tl.constexpr, FUSE_COMBINE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -86,29 +87,27 @@ def _split_kv_kernel(
     p_o = O + i_b64 * stride_ob + o_hq[:, None] * stride_oh + o_d[None, :]
     p_lse = LSE + i_b64 * (HKV * GROUP_SIZE) + o_hq
     if IS_SPLIT:
-        # Workspace rows: [S, B * Hq, D]; row = b * Hq + query head.
+        # Workspace: o [S, B * Hq, D] then lse [S, B * Hq] (base 2); row = b * Hq + query head.
         n_rows = tl.num_programs(0).to(tl.int64) * GROUP_SIZE
+        LSE_PART = O_PART + NUM_SPLITS * n_rows * HEAD_DIM
         o_row = i_b64 * (HKV * GROUP_SIZE) + o_hq
-        p_op = O_PART + (i_s * n_rows + o_row)[:, None] * HEAD_DIM + o_d[None, :]
-        tl.store(p_op, b_o, mask=m_gd)
+        tl.store(O_PART + (i_s * n_rows + o_row)[:, None] * HEAD_DIM + o_d[None, :], b_o, mask=m_gd)
         tl.store(LSE_PART + i_s * n_rows + o_row, b_lse2, mask=m_g)
         if FUSE_COMBINE:
             tl.debug_barrier()
             ticket = tl.atomic_add(COUNTER + i_bh, 1, sem="acq_rel", scope="gpu")
             if ticket == NUM_SPLITS - 1:
-                # Last program of this (b, kv head): merge the non-empty splits (level 2).
-                m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-                l_i = tl.zeros([BLOCK_H], tl.float32)
-                acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-                for j in range(0, tl.cdiv(seq_len, chunk)):
-                    p_lp = LSE_PART + j * n_rows + o_row
-                    b_lse2 = tl.load(p_lp, mask=m_g, other=float("-inf"), cache_modifier=".cg")
-                    p_op = O_PART + (j * n_rows + o_row)[:, None] * HEAD_DIM + o_d[None, :]
-                    b_oj = tl.load(p_op, mask=m_gd, other=0.0, cache_modifier=".cg")
-                    m_i, l_i, acc = add_state(m_i, l_i, acc, b_lse2, b_oj)
-                b_o, b_lse2 = finalize(m_i, l_i, acc)
-                tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_gd)
-                tl.store(p_lse, b_lse2 * LN2, mask=m_g)
+                # Last program of this (b, kv head): merge the non-empty splits (level 2), one query
+                # head at a time, BLOCK_S splits per load.
+                n_valid = tl.cdiv(seq_len, chunk)
+                row0 = i_b64 * (HKV * GROUP_SIZE) + i_h64 * GROUP_SIZE
+                for g in range(GROUP_SIZE):
+                    b_og, b_lse2g = merge_strided(LSE_PART + row0 + g, O_PART + (row0 + g) * HEAD_DIM,
+                                                  n_rows, n_rows * HEAD_DIM, n_valid, o_d, m_d,
+                                                  1.0, BLOCK_S, BLOCK_D, ".cg")
+                    p_og = O + i_b64 * stride_ob + (i_h64 * GROUP_SIZE + g) * stride_oh + o_d[None, :]
+                    tl.store(p_og, b_og.to(O.dtype.element_ty), mask=m_d[None, :])
+                    tl.store(LSE + row0 + g + tl.arange(0, 1), b_lse2g * LN2)
                 tl.atomic_xchg(COUNTER + i_bh, 0)
     else:
         tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_gd)
@@ -119,11 +118,12 @@ _COUNTERS: dict = {}
 
 
 def _counter(device: torch.device, n: int) -> torch.Tensor:
-    """A zeroed int32 buffer of at least ``n`` tickets for ``device``; the kernel leaves it zeroed.
+    """A zeroed int32 buffer of at least ``n`` tickets; the kernel leaves it zeroed.
 
     Kept per (device, stream): two decodes in flight on different streams must not share tickets.
     """
-    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
+    key = (device, stream)
     buf = _COUNTERS.get(key)
     if buf is None or buf.numel() < n:
         buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
@@ -133,9 +133,9 @@ def _counter(device: torch.device, n: int) -> torch.Tensor:
 
 def default_config(head_dim: int, dtype: torch.dtype) -> tuple:
     """Kernel tile config ``(BLOCK_N, num_warps, num_stages)``: tuned on the H200, see benchmarks/NOTES.md."""
-    if dtype == torch.float32 or head_dim > 128:
-        return (32, 4, 2)
-    return (64, 4, 3)
+    if dtype == torch.float32:
+        return (64, 4, 2) if head_dim <= 128 else (32, 4, 2)
+    return (128, 4, 3) if head_dim <= 128 else (64, 4, 2)
 
 
 def split_kv_decode(q, k, v, seq_lens, o, lse, *, sm_scale, num_splits, tiles_per_split,
@@ -152,39 +152,41 @@ def split_kv_decode(q, k, v, seq_lens, o, lse, *, sm_scale, num_splits, tiles_pe
     block_n, num_warps, num_stages = config
     is_split = num_splits > 1
     if is_split:
-        o_part = _dispatch.new_buffer((num_splits, batch * hq, head_dim), torch.float32, q.device)
-        lse_part = _dispatch.new_buffer((num_splits, batch * hq), torch.float32, q.device)
+        rows = num_splits * batch * hq
+        work = _dispatch.new_buffer((rows * (head_dim + 1),), torch.float32, q.device)
         counter = _counter(q.device, batch * hkv)
     else:
-        o_part = lse_part = counter = o  # unused
+        work = counter = o  # unused
     group = hq // hkv
-    _split_kv_kernel[(batch * hkv, num_splits)](
-        q, k, v, seq_lens if seq_lens is not None else q, o, lse, o_part, lse_part, counter,
-        float(sm_scale), t_max, tiles_per_split, num_splits, hkv,
-        q.stride(0), q.stride(1),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        o.stride(0), o.stride(1),
-        GROUP_SIZE=group, HEAD_DIM=head_dim,
-        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        BLOCK_D=triton.next_power_of_2(head_dim),
-        HAS_SEQ_LENS=seq_lens is not None, IS_SPLIT=is_split, FUSE_COMBINE=fuse_combine,
-        **dot_flags(q.dtype),
+    launch(
+        _split_kv_kernel, (batch * hkv, num_splits),
+        (q, k, v, seq_lens if seq_lens is not None else q, o, lse, work, counter,
+         sm_scale, t_max, tiles_per_split, num_splits, hkv,
+         q.stride(0), q.stride(1),
+         k.stride(0), k.stride(1), k.stride(2),
+         v.stride(0), v.stride(1), v.stride(2),
+         o.stride(0), o.stride(1)),
+        dict(GROUP_SIZE=group, HEAD_DIM=head_dim,
+             BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+             BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_S=min(32, triton.next_power_of_2(num_splits)),
+             HAS_SEQ_LENS=seq_lens is not None, IS_SPLIT=is_split, FUSE_COMBINE=fuse_combine,
+             **dot_flags(q.dtype)),
         num_warps=num_warps, num_stages=num_stages,
     )
     if is_split and not fuse_combine:
-        return o_part, lse_part
+        o_part = work[: rows * head_dim].view(num_splits, batch * hq, head_dim)
+        return o_part, work[rows * head_dim:].view(num_splits, batch * hq)
     return None
 
 
 # Realistic sm_90 compiles of this file's kernels, checked on the CPU by tests/test_aot.py.
 _PTRS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "SEQ_LENS": "*i32", "O": "*bf16", "LSE": "*fp32",
-         "O_PART": "*fp32", "LSE_PART": "*fp32", "COUNTER": "*i32", "sm_scale": "fp32"}
+         "O_PART": "*fp32", "COUNTER": "*i32", "sm_scale": "fp32"}
 AOT_SPECS = [
     {
         "kernel": _split_kv_kernel,
         "signature": _PTRS,
-        "constexprs": dict(GROUP_SIZE=group, HEAD_DIM=128, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128,
+        "constexprs": dict(GROUP_SIZE=group, HEAD_DIM=128, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, BLOCK_S=16,
                            HAS_SEQ_LENS=True, IS_SPLIT=split, FUSE_COMBINE=True,
                            INPUT_PRECISION="tf32", UPCAST=False),
         "options": {"num_warps": 4, "num_stages": 3},

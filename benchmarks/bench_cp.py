@@ -1,0 +1,281 @@
+"""Context-parallel decode over W GPUs against single-GPU flash_decode on the whole cache.
+
+    torchrun --nproc-per-node=2 benchmarks/bench_cp.py
+    torchrun --nproc-per-node=2 benchmarks/bench_cp.py --batches 1 --contexts 131072 1048576 --tree
+    torchrun --nproc-per-node=4 benchmarks/bench_cp.py --name bench_cp_w4
+    torchrun --nproc-per-node=2 benchmarks/bench_cp.py --device cpu --contexts 1024 4096   # smoke test
+
+bf16, Hq=32, Hkv=8, D=128 (options change them); B in --batches, T in --contexts. Per shape, median µs:
+``single``: flash_decode over the whole cache of T tokens on rank 0 alone (skipped when the cache would not
+fit in --max-gb); ``cp``: cp_flash_decode over W ranks holding T/W tokens each (contiguous placement),
+split into ``local`` (flash_decode on the shard) and ``merge`` (merge_across_ranks alone); ``tree`` (with
+--tree): the merge done Tree-Attention style instead (all-reduce MAX of the lse, then one all-reduce SUM
+of the rescaled numerators and denominators). Each eager and replayed from a CUDA graph (captured after
+warm-up on a side stream). speedup = single / cp. Times are taken on every rank after a barrier; rank 0's
+are reported. Single-rank timings use triton.testing.do_bench; timings with collectives use the same
+method (L2 flush, CUDA events per call, median) with one iteration count agreed by all ranks, since
+do_bench picks its own count per process and collectives must match. --device cpu runs the same code
+over gloo (eager only, wall-clock medians) to check the script without GPUs.
+Writes benchmarks/results/<name>.json and <name>.png (default name: bench_cp).
+"""
+import os
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on the H200 machines
+os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import math  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks._harness import RESULTS, capture, table, write_json  # noqa: E402
+from cp_attention import flash_decode  # noqa: E402
+from cp_attention.distributed import cp_flash_decode, merge_across_ranks  # noqa: E402
+from cp_attention.state import AttentionState  # noqa: E402
+
+try:
+    from tqdm import tqdm
+except ImportError:  # the bar is a nicety
+    def tqdm(it, **_):
+        return it
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+PARTS = ("local", "merge", "cp")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072, 1048576, 4194304])
+    p.add_argument("--heads-q", type=int, default=32)
+    p.add_argument("--heads-kv", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--max-gb", type=float, default=120.0, help="largest K+V cache one GPU may hold")
+    p.add_argument("--rep-ms", type=int, default=100, help="timed milliseconds per measurement")
+    p.add_argument("--tree", action="store_true", help="also time the Tree-Attention style merge")
+    p.add_argument("--no-graph", action="store_true", help="eager only")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--name", default="bench_cp", help="results file stem under benchmarks/results/")
+    p.add_argument("--timeout-s", type=int, default=1800, help="process-group timeout")
+    args = p.parse_args(argv)
+    for name in ("batches", "contexts"):
+        if min(getattr(args, name)) < 1:
+            p.error(f"--{name} must be >= 1")
+    if args.heads_q % args.heads_kv:
+        p.error("--heads-q must be a multiple of --heads-kv")
+    return args
+
+
+def cache_gb(batch, tokens, args) -> float:
+    """GB of K and V for ``batch`` sequences of ``tokens`` tokens."""
+    return 2 * batch * args.heads_kv * tokens * args.head_dim * DTYPES[args.dtype].itemsize / 1e9
+
+
+def tree_merge(state, group=None) -> AttentionState:
+    """Tree Attention's cross-rank merge, for comparison only: all-reduce MAX of the lse, then one all-reduce
+    SUM of ``[exp(lse - m) * o, exp(lse - m)]``. Two collectives; the sum order is the backend's."""
+    o, lse = state
+    m = lse.clone()
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    w = torch.exp(lse - m).unsqueeze(-1)
+    buf = torch.cat([o.float() * w, w], dim=-1)
+    dist.all_reduce(buf, group=group)
+    den = buf[..., -1]
+    o_out = buf[..., :-1] / torch.where(den > 0, den, torch.ones_like(den)).unsqueeze(-1)
+    return AttentionState(o_out.to(o.dtype), m + torch.log(den))
+
+
+class Timer:
+    """Median µs of ``fn()`` on this rank (see the module docstring for the method)."""
+
+    def __init__(self, device, rep_ms):
+        self.device, self.rep_ms = device, rep_ms
+        self._flush = torch.empty(256 * 2**20, dtype=torch.int8, device=device) if device.type == "cuda" else None
+
+    def __call__(self, fn, collective: bool) -> float:
+        if self.device.type == "cpu":
+            return self._wall_clock(fn, collective)
+        if not collective:
+            import triton.testing
+
+            return triton.testing.do_bench(fn, warmup=25, rep=self.rep_ms, return_mode="median") * 1e3
+        fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        estimate = torch.tensor([start.elapsed_time(end) / 5], device=self.device)
+        dist.all_reduce(estimate, op=dist.ReduceOp.MAX)  # one iteration count on every rank
+        est_ms = max(estimate.item(), 1e-3)
+        n_warmup, n_rep = max(1, int(25 / est_ms)), min(5000, max(1, int(self.rep_ms / est_ms)))
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_rep)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_rep)]
+        for _ in range(n_warmup):
+            fn()
+        torch.cuda.synchronize()
+        dist.barrier()
+        for i in range(n_rep):
+            self._flush.zero_()
+            starts[i].record()
+            fn()
+            ends[i].record()
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3
+
+    @staticmethod
+    def _wall_clock(fn, collective, n=5) -> float:
+        fn()
+        if collective:
+            dist.barrier()
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e6
+
+
+def _timings(row, prefix, fn, timer, collective, graphs):
+    """``row[prefix_eager_us]`` and, with ``graphs``, ``row[prefix_graph_us]`` (the graph is freed after)."""
+    row[f"{prefix}_eager_us"] = timer(fn, collective)
+    if graphs:
+        graph = capture(fn)
+        row[f"{prefix}_graph_us"] = timer(graph.replay, collective)
+        del graph
+
+
+def measure(args, batch, context, timer, device):
+    """One shape: the single-GPU baseline on rank 0, then the CP parts on every rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dtype, hq, hkv, d = DTYPES[args.dtype], args.heads_q, args.heads_kv, args.head_dim
+    graphs = device.type == "cuda" and not args.no_graph
+    row = {"batch": batch, "context": context, "world": world, "single_gb": round(cache_gb(batch, context, args), 2)}
+    gen = torch.Generator(device).manual_seed(0)
+    q = torch.randn(batch, hq, d, generator=gen, device=device, dtype=dtype)
+
+    if row["single_gb"] <= args.max_gb:
+        if rank == 0:
+            k = torch.empty(batch, hkv, context, d, device=device, dtype=dtype).normal_(generator=gen)
+            v = torch.empty_like(k).normal_(generator=gen)
+            _timings(row, "single", lambda: flash_decode(q, k, v), timer, False, graphs)
+            del k, v
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        dist.barrier()
+    else:
+        row["single_skipped"] = f"{row['single_gb']:.0f} GB of KV > --max-gb {args.max_gb:g} on one GPU"
+
+    shard = math.ceil(context / world)
+    if cache_gb(batch, shard, args) > args.max_gb:
+        row["cp_skipped"] = f"a {shard}-token shard needs more than --max-gb {args.max_gb:g}"
+        return row
+    own = torch.Generator(device).manual_seed(1 + rank)
+    ks = torch.empty(batch, hkv, shard, d, device=device, dtype=dtype).normal_(generator=own)
+    vs = torch.empty_like(ks).normal_(generator=own)
+    lens = torch.full((batch,), max(0, min(shard, context - rank * shard)), dtype=torch.int32, device=device)
+    o = cp_flash_decode(q, ks, vs, lens)  # checks once that every rank agrees on shapes
+    assert torch.isfinite(o).all(), "non-finite CP output"
+    state = flash_decode(q, ks, vs, lens, return_lse=True)
+    parts = {
+        "local": (lambda: flash_decode(q, ks, vs, lens, return_lse=True), False),
+        "merge": (lambda: merge_across_ranks(state), True),
+        "cp": (lambda: cp_flash_decode(q, ks, vs, lens, check_metadata=False), True),
+    }
+    if args.tree:
+        parts["tree"] = (lambda: tree_merge(state), True)
+        ref = merge_across_ranks(state)
+        row["tree_max_err"] = (tree_merge(state).o.float() - ref.o.float()).abs().max().item()
+    for name, (fn, collective) in parts.items():
+        _timings(row, name, fn, timer, collective, graphs)
+    del ks, vs, state
+    for mode in ("eager", "graph"):
+        if f"single_{mode}_us" in row and f"cp_{mode}_us" in row:
+            row[f"speedup_{mode}"] = row[f"single_{mode}_us"] / row[f"cp_{mode}_us"]
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def plot(rows, args, world, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_s, ax_t) = plt.subplots(1, 2, figsize=(13, 4.8))
+    for b in args.batches:
+        mine = [r for r in rows if r["batch"] == b]
+        for mode, style in (("eager", "--"), ("graph", "-")):
+            pts = [(r["context"], r[f"speedup_{mode}"]) for r in mine if f"speedup_{mode}" in r]
+            if pts:
+                ax_s.plot(*zip(*pts), style, marker="o", label=f"B={b} {mode}")
+        mode = "eager" if args.no_graph or all("cp_graph_us" not in r for r in mine) else "graph"
+        for part, style in (("local", "-"), ("merge", ":")):
+            pts = [(r["context"], r[f"{part}_{mode}_us"]) for r in mine if f"{part}_{mode}_us" in r]
+            if pts:
+                ax_t.plot(*zip(*pts), style, marker="o", label=f"B={b} {part} ({mode})")
+    ax_s.axhline(world, color="grey", lw=0.8, ls=":", label=f"ideal ({world}x)")
+    ax_s.axhline(1.0, color="black", lw=0.8)
+    ax_s.set(xscale="log", xlabel="context T (tokens)", ylabel="single-GPU time / CP time",
+             title=f"CP decode speedup, {world} ranks, {args.dtype} Hq={args.heads_q} Hkv={args.heads_kv} "
+                   f"D={args.head_dim}")
+    ax_t.set(xscale="log", yscale="log", xlabel="context T (tokens)", ylabel="µs (median)",
+             title="CP time split: local attention vs merge_across_ranks")
+    for ax in (ax_s, ax_t):
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(seconds=args.timeout_s))
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout_s))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    timer = Timer(device, args.rep_ms)
+    shapes = [(b, t) for b in args.batches for t in args.contexts]
+    rows = []
+    try:
+        for b, t in tqdm(shapes, desc=f"bench_cp W={world}", disable=rank != 0):
+            rows.append(measure(args, b, t, timer, device))
+        if rank == 0:
+            cols = ["batch", "context", "single_gb"] + [f"{p}_{m}_us" for p in ("single",) + PARTS
+                                                        for m in ("eager", "graph")]
+            cols += ["speedup_eager", "speedup_graph", "tree_eager_us", "tree_graph_us"]
+            print(table(rows, [c for c in cols if any(c in r for r in rows)]))
+            for r in rows:
+                if "tree_max_err" in r:
+                    print(f"B={r['batch']} T={r['context']}: tree merge max |o diff| vs merge_across_ranks "
+                          f"{r['tree_max_err']:.2e}")
+                for what in ("single", "cp"):
+                    if f"{what}_skipped" in r:
+                        print(f"B={r['batch']} T={r['context']}: {what} skipped: {r[f'{what}_skipped']}")
+            path = write_json(args.name, {"config": vars(args), "world_size": world, "rows": rows})
+            png = RESULTS / f"{args.name}.png"
+            plot(rows, args, world, png)
+            print(f"wrote {path} and {png}")
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

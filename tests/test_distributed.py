@@ -1,0 +1,433 @@
+"""Context-parallel decode (``cp_attention.distributed``) on gloo: W spawned CPU ranks per world size.
+
+One pool of W ranks per world size is spawned once per module (``torch.multiprocessing.spawn``, gloo,
+``file://`` rendezvous, a timeout on every collective) and runs the cases below; a case runs on every
+rank and asserts there, and the parent compares what the ranks return (bitwise equality across ranks).
+Cases marked ``interp`` run the Triton kernels under the interpreter; the others the torch path.
+"""
+import datetime
+import os
+import queue
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from cp_attention import flash_decode, merge_states
+from cp_attention.distributed import CPKVCache, all_gather_states, cp_flash_decode, merge_across_ranks, shard_kv
+from cp_attention.reference import attention
+from cp_attention.state import AttentionState
+
+TIMEOUT_S = 60
+# (atol, rtol) of CP decode against single-rank flash_decode in the same dtype (the CP path rounds the
+# per-rank output once more), and of either against the float64 reference.
+TOL_SINGLE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 1.6e-2)}
+TOL_REF = {torch.float32: (2e-4, 2e-4), torch.bfloat16: (3e-2, 3e-2)}
+
+
+# ----------------------------------------------------------------------------------------------------
+# The worker pool
+
+
+def _nan_buffer(shape, dtype, device):
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def _worker(rank, world, init_file, tasks, results):
+    import cp_attention._dispatch as dispatch
+
+    dispatch.new_buffer = _nan_buffer  # every kernel/collective output starts as NaN
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    try:
+        while (task := tasks[rank].get()) is not None:
+            name, kwargs, interpret = task
+            os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+            try:
+                results.put((rank, True, globals()[name](rank, world, **kwargs)))
+            except Exception:  # reported to the parent, which fails the test
+                results.put((rank, False, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+class _Pool:
+    """``world`` spawned ranks in one gloo group, serving cases until closed."""
+
+    def __init__(self, world, init_file):
+        ctx = mp.get_context("spawn")
+        self.world = world
+        self.tasks = [ctx.Queue() for _ in range(world)]
+        self.results = ctx.Queue()
+        self.procs = mp.spawn(_worker, args=(world, str(init_file), self.tasks, self.results),
+                              nprocs=world, join=False)
+
+    def run(self, case, *, interpret=False, **kwargs):
+        """Run ``case(rank, world, **kwargs)`` on every rank; return the per-rank results."""
+        for q in self.tasks:
+            q.put((case.__name__, kwargs, interpret))
+        out, errors, waited = [None] * self.world, [], 0
+        for _ in range(self.world):
+            while True:
+                try:
+                    rank, ok, value = self.results.get(timeout=5)
+                    break
+                except queue.Empty:
+                    waited += 5
+                    dead = [p.pid for p in self.procs.processes if not p.is_alive()]
+                    if dead or waited > 3 * TIMEOUT_S:
+                        pytest.fail(f"{case.__name__}: no answer from the ranks (dead: {dead})")
+            if ok:
+                out[rank] = value
+            else:
+                errors.append(f"--- rank {rank} ---\n{value}")
+        if errors:
+            pytest.fail(f"{case.__name__} failed on {len(errors)} of {self.world} ranks:\n" + "\n".join(errors))
+        return out
+
+    def close(self):
+        for q in self.tasks:
+            q.put(None)
+        self.procs.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    pools = {}
+
+    def get(world):
+        if world not in pools:
+            pools[world] = _Pool(world, tmp_path_factory.mktemp(f"world{world}") / "init")
+        return pools[world]
+
+    yield get
+    for p in pools.values():
+        p.close()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Helpers shared by the cases (run inside the workers)
+
+
+def _cache(b, hq, hkv, t, d, lens, *, dtype=torch.float32, q_gain=40.0, seed=0):
+    """The same (q, k, v, seq_lens) on every rank; keys past each sequence's length are NaN (never read)."""
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(b, hq, d, generator=g) * q_gain).to(dtype)
+    k = torch.randn(b, hkv, t, d, generator=g).to(dtype)
+    v = torch.randn(b, hkv, t, d, generator=g).to(dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    past_end = torch.arange(t)[None, :] >= seq_lens[:, None].long()  # [B, T]
+    k.masked_fill_(past_end[:, None, :, None], float("nan"))
+    return q, k, v, seq_lens
+
+
+def _assert_state_close(got, want, tol, what):
+    o_want, lse_want = want.o.double(), want.lse.double()
+    assert not torch.isnan(got.o).any() and not torch.isnan(got.lse).any(), f"NaN in {what}"
+    atol, rtol = tol
+    torch.testing.assert_close(got.o.double(), o_want, atol=atol, rtol=rtol, msg=lambda m: f"{what}: o: {m}")
+    empty = torch.isneginf(lse_want)
+    assert torch.equal(torch.isneginf(got.lse), empty), f"{what}: empty sequences differ"
+    assert (got.o[empty] == 0).all(), f"{what}: an empty sequence has o != 0"
+    torch.testing.assert_close(got.lse.double()[~empty], lse_want[~empty], atol=1e-3, rtol=1e-5,
+                               msg=lambda m: f"{what}: lse: {m}")
+
+
+def _check_against_single(q, k, v, seq_lens, got):
+    single = flash_decode(q, k, v, seq_lens, return_lse=True)
+    ref = attention(q.double(), k.double(), v.double(), seq_lens)
+    assert got.o.dtype == q.dtype and got.o.shape == q.shape and got.lse.dtype == torch.float32
+    _assert_state_close(got, single, TOL_SINGLE[q.dtype], "CP vs single-rank flash_decode")
+    _assert_state_close(got, ref, TOL_REF[q.dtype], "CP vs float64 reference")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Cases (each runs on every rank)
+
+
+def case_decode(rank, world, *, b, hq, hkv, t, d, lens, placement, dtype=torch.float32):
+    q, k, v, seq_lens = _cache(b, hq, hkv, t, d, lens, dtype=dtype)
+    ks, vs, ls = shard_kv(k, v, seq_lens, rank, world, placement)
+    got = cp_flash_decode(q, ks, vs, ls, return_lse=True)
+    _check_against_single(q, k, v, seq_lens, got)
+    o_only = cp_flash_decode(q, ks, vs, ls, check_metadata=False)
+    assert torch.equal(o_only, got.o)
+    return got
+
+
+def case_uneven_capacities(rank, world, *, b, hq, hkv, t, d, lens, cuts):
+    """Rank r holds positions [cuts[r], cuts[r+1]) as its own shard: capacities differ across ranks."""
+    q, k, v, seq_lens = _cache(b, hq, hkv, t, d, lens)
+    lo, hi = cuts[rank], cuts[rank + 1]
+    ls = (seq_lens - lo).clamp(0, hi - lo)
+    got = cp_flash_decode(q, k[:, :, lo:hi], v[:, :, lo:hi], ls, return_lse=True)
+    _check_against_single(q, k, v, seq_lens, got)
+    return got
+
+
+def case_gather_and_merge(rank, world, *, dtype):
+    """Rank r's state is drawn from seed r; rank 1's second row is empty; lse values in the hundreds."""
+
+    def state_of(r):
+        g = torch.Generator().manual_seed(r)
+        o = torch.randn(3, 4, 32, generator=g).to(dtype)
+        lse = torch.randn(3, 4, generator=g) * 100
+        if r == 1:
+            o[1], lse[1] = 0, float("-inf")
+        return AttentionState(o, lse)
+
+    mine = state_of(rank)
+    gathered = all_gather_states(mine)
+    assert gathered.o.shape == (world, 3, 4, 32) and gathered.o.dtype == dtype
+    assert gathered.lse.shape == (world, 3, 4) and gathered.lse.dtype == torch.float32
+    for r in range(world):
+        want = state_of(r)
+        assert torch.equal(gathered.o[r], want.o) and torch.equal(gathered.lse[r], want.lse), f"rank {r}"
+    merged = merge_across_ranks(mine)
+    local = merge_states(gathered.o, gathered.lse)
+    assert torch.equal(merged.o, local.o) and torch.equal(merged.lse, local.lse)
+    assert merged.o.dtype == dtype and not torch.isnan(merged.o).any()
+    return merged
+
+
+def case_cache_appends(rank, world, *, b, hq, hkv, d, prefix_t, prefix_lens, steps, check_every):
+    """A prefix (sharded with from_prefix, or an empty cache) plus ``steps`` appends equals the unsharded
+    cache at every checked step."""
+    q, k, v, seq_lens = _cache(b, hq, hkv, prefix_t + steps, d, prefix_lens, seed=1)
+    k_new = torch.randn(steps, b, hkv, d, generator=torch.Generator().manual_seed(2))
+    v_new = torch.randn(steps, b, hkv, d, generator=torch.Generator().manual_seed(3))
+    max_seq_len = prefix_t + steps
+    if prefix_t:
+        cache = CPKVCache.from_prefix(k[:, :, :prefix_t], v[:, :, :prefix_t], seq_lens, max_seq_len)
+    else:
+        cache = CPKVCache(b, hkv, d, max_seq_len, dtype=torch.float32)
+        cache.k.fill_(float("nan"))  # unwritten slots must never be read
+    rows = torch.arange(b)
+    for s in range(steps):
+        cache.append(k_new[s], v_new[s])
+        pos = seq_lens.long() + s
+        k[rows, :, pos], v[rows, :, pos] = k_new[s], v_new[s]
+        if s % check_every == check_every - 1 or s == steps - 1:
+            got = cache.decode(q, return_lse=True)
+            _check_against_single(q, k, v, seq_lens + s + 1, got)
+    # The shard is exactly the interleaved shard of the unsharded cache.
+    ks, vs, ls = shard_kv(k, v, seq_lens + steps, rank, world, "interleaved")
+    assert torch.equal(cache.seq_lens, ls)
+    assert torch.equal(cache.global_seq_lens, (seq_lens + steps).long())
+    for i in range(b):
+        n = int(ls[i])
+        assert torch.equal(cache.k[i, :, :n], ks[i, :, :n]) and torch.equal(cache.v[i, :, :n], vs[i, :, :n])
+    return cache.decode(q)
+
+
+def case_mismatch(rank, world, *, what):
+    """Rank 1 differs in ``what``: every rank raises ValueError, and the group still works afterwards."""
+    b, hq, d, dtype, sm_scale = 2, 8, 32, torch.float32, None
+    seq_lens = torch.tensor([5, 3])
+    if rank == 1:
+        if what == "batch":
+            b, seq_lens = 3, torch.tensor([5, 3, 1])
+        elif what == "heads":
+            hq = 4
+        elif what == "head-dim":
+            d = 64
+        elif what == "dtype":
+            dtype = torch.bfloat16
+        elif what == "sm-scale":
+            sm_scale = 0.5
+        elif what == "bad-seq-lens":
+            seq_lens = torch.tensor([5, 99])  # longer than the shard
+    q = torch.randn(b, hq, d).to(dtype)
+    k = torch.randn(b, 2, 8, d).to(dtype)
+    with pytest.raises(ValueError) as info:
+        cp_flash_decode(q, k, k, seq_lens, sm_scale=sm_scale)
+    q, k = torch.ones(2, 8, 32), torch.ones(2, 2, 8, 32)
+    o = cp_flash_decode(q, k, k, torch.tensor([5, 3]))  # the group is still in step
+    torch.testing.assert_close(o, torch.ones_like(o))
+    return str(info.value)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Tests
+
+DECODE_CASES = [
+    pytest.param(2, dict(b=2, hq=4, hkv=4, t=300, d=64, lens=[300, 257], placement="contiguous"),
+                 False, id="W2-contiguous-MHA-D64-T300"),
+    pytest.param(2, dict(b=3, hq=8, hkv=2, t=300, d=32, lens=[300, 1, 0], placement="interleaved"),
+                 True, id="W2-interleaved-GQA-ragged-interp"),
+    pytest.param(3, dict(b=4, hq=8, hkv=2, t=100, d=32, lens=[100, 37, 2, 0], placement="contiguous"),
+                 False, id="W3-contiguous-GQA-ragged"),
+    pytest.param(3, dict(b=4, hq=8, hkv=2, t=100, d=32, lens=[100, 37, 2, 0], placement="interleaved"),
+                 True, id="W3-interleaved-GQA-ragged-interp"),
+    pytest.param(3, dict(b=2, hq=8, hkv=2, t=130, d=32, lens=[130, 66], placement="contiguous"),
+                 True, id="W3-contiguous-GQA-interp"),
+    pytest.param(4, dict(b=2, hq=4, hkv=4, t=257, d=64, lens=[257, 3], placement="contiguous",
+                         dtype=torch.bfloat16), False, id="W4-contiguous-MHA-bf16-ragged"),
+    pytest.param(4, dict(b=2, hq=8, hkv=2, t=257, d=32, lens=[201, 3], placement="interleaved",
+                         dtype=torch.bfloat16), False, id="W4-interleaved-GQA-bf16-ragged"),
+    pytest.param(8, dict(b=3, hq=8, hkv=2, t=37, d=32, lens=[37, 5, 0], placement="interleaved"),
+                 True, id="W8-interleaved-GQA-short-interp"),
+]
+
+
+@pytest.mark.parametrize("world, case, interpret", DECODE_CASES)
+def test_cp_flash_decode_equals_single_rank(pool, world, case, interpret):
+    """q x40 (logits in the hundreds); empty shards and empty sequences included."""
+    states = pool(world).run(case_decode, interpret=interpret, **case)
+    for r, st in enumerate(states[1:], 1):
+        assert torch.equal(st.o, states[0].o) and torch.equal(st.lse, states[0].lse), f"rank {r} != rank 0"
+
+
+@pytest.mark.parametrize("world, cuts", [(2, [0, 10, 150]), (3, [0, 0, 149, 150])],
+                         ids=["W2-capacities-10-140", "W3-capacities-0-149-1"])
+def test_cp_flash_decode_uneven_capacities(pool, world, cuts):
+    states = pool(world).run(case_uneven_capacities, b=2, hq=8, hkv=2, t=150, d=32, lens=[150, 12], cuts=cuts)
+    assert all(torch.equal(st.o, states[0].o) for st in states)
+
+
+@pytest.mark.parametrize("world, dtype", [(3, torch.bfloat16), (4, torch.float32)], ids=["W3-bf16", "W4-fp32"])
+def test_all_gather_states_and_merge_bitwise(pool, world, dtype):
+    states = pool(world).run(case_gather_and_merge, dtype=dtype)
+    for st in states[1:]:
+        assert torch.equal(st.o, states[0].o) and torch.equal(st.lse, states[0].lse)
+    assert torch.isfinite(states[0].lse).all()
+
+
+CACHE_CASES = [
+    pytest.param(2, dict(b=2, hq=4, hkv=4, d=32, prefix_t=0, prefix_lens=[0, 0], steps=40, check_every=8),
+                 False, id="W2-empty-start-40-appends"),
+    pytest.param(3, dict(b=3, hq=8, hkv=2, d=32, prefix_t=50, prefix_lens=[50, 2, 0], steps=30, check_every=5),
+                 False, id="W3-ragged-prefix-30-appends"),
+    pytest.param(4, dict(b=2, hq=8, hkv=2, d=32, prefix_t=61, prefix_lens=[61, 9], steps=9, check_every=9),
+                 True, id="W4-ragged-prefix-9-appends-interp"),
+]
+
+
+@pytest.mark.parametrize("world, case, interpret", CACHE_CASES)
+def test_cache_appends_equal_unsharded(pool, world, case, interpret):
+    outs = pool(world).run(case_cache_appends, interpret=interpret, **case)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+
+
+@pytest.mark.parametrize("world, what", [(2, "heads"), (3, "batch"), (2, "head-dim"), (2, "dtype"),
+                                         (3, "sm-scale"), (2, "bad-seq-lens")],
+                         ids=lambda x: f"W{x}" if isinstance(x, int) else x)
+def test_mismatch_raises_on_every_rank(pool, world, what):
+    messages = pool(world).run(case_mismatch, what=what)
+    if what == "bad-seq-lens":
+        assert "seq_lens" in messages[1] and "rank(s) [1]" in messages[0]
+    else:
+        assert all("must match on every rank" in m for m in messages)
+        assert len(set(messages)) == 1
+
+
+# ----------------------------------------------------------------------------------------------------
+# shard_kv and CPKVCache in one process
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("placement", ["contiguous", "interleaved"])
+def test_shard_kv_partitions_the_valid_tokens(world, placement):
+    t = 37
+    k = torch.randn(4, 2, t, 8)
+    v = torch.randn(4, 2, t, 8)
+    seq_lens = torch.tensor([37, 5, 1, 0], dtype=torch.int64)
+    cap = -(-t // world)
+    seen = torch.zeros(4, t, dtype=torch.int64)
+    for r in range(world):
+        ks, vs, ls = shard_kv(k, v, seq_lens, r, world, placement)
+        assert ks.shape == vs.shape == (4, 2, cap, 8) and ls.dtype == seq_lens.dtype
+        for b in range(4):
+            owned = [p for p in range(t) if (p // cap == r if placement == "contiguous" else p % world == r)]
+            valid = [p for p in owned if p < seq_lens[b]]
+            assert int(ls[b]) == len(valid)
+            assert torch.equal(ks[b, :, : len(valid)], k[b, :, valid]) and torch.equal(vs[b, :, : len(valid)],
+                                                                                      v[b, :, valid])
+            seen[b, valid] += 1
+    assert torch.equal(seen, (torch.arange(t)[None, :] < seq_lens[:, None]).long())
+
+
+def test_shard_kv_short_cache_and_defaults():
+    k = torch.randn(1, 1, 3, 8, dtype=torch.bfloat16)
+    lens = [shard_kv(k, k, None, r, 8, "contiguous")[2].item() for r in range(8)]
+    assert lens == [1, 1, 1, 0, 0, 0, 0, 0]
+    ks, _, ls = shard_kv(k, k, torch.tensor([2], dtype=torch.int32), 1, 2, "interleaved")
+    assert ks.dtype == torch.bfloat16 and ls.dtype == torch.int32 and ls.tolist() == [1]
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(rank=2, world_size=2), ValueError, "rank"),
+    (dict(rank=-1, world_size=2), ValueError, "rank"),
+    (dict(rank=0, world_size=0), ValueError, "world_size"),
+    (dict(rank=0.0, world_size=2), TypeError, "rank"),
+    (dict(rank=0, world_size=True), TypeError, "world_size"),
+    (dict(placement="striped"), ValueError, "placement"),
+    (dict(k=torch.randn(2, 10, 8)), ValueError, "k must have 4 dims"),
+    (dict(v=torch.randn(2, 1, 9, 8)), ValueError, "v must have k's shape"),
+    (dict(v=torch.randn(2, 1, 10, 8, dtype=torch.float16)), TypeError, "v must have dtype"),
+    (dict(seq_lens=torch.tensor([1.0, 2.0])), TypeError, "seq_lens"),
+    (dict(seq_lens=torch.tensor([1, 2, 3])), ValueError, "seq_lens must have shape"),
+    (dict(seq_lens=torch.tensor([1, 11])), ValueError, "seq_lens must lie in"),
+    (dict(seq_lens=torch.tensor([-1, 1])), ValueError, "seq_lens must lie in"),
+], ids=["rank-too-big", "rank-negative", "world-0", "rank-float", "world-bool", "placement", "k-3d",
+        "v-shape", "v-dtype", "seq-lens-float", "seq-lens-shape", "seq-lens-too-long", "seq-lens-negative"])
+def test_shard_kv_rejects_bad_input(kwargs, exc, match):
+    args = dict(k=torch.randn(2, 1, 10, 8), v=torch.randn(2, 1, 10, 8), seq_lens=torch.tensor([10, 3]),
+                rank=0, world_size=2, placement="contiguous")
+    args.update(kwargs)
+    with pytest.raises(exc, match=match):
+        shard_kv(**args)
+
+
+def test_cache_append_owner_and_scratch_slot():
+    """Rank 1 of 3: tokens 1, 4, 7 land in slots 0, 1, 2; the others go to the scratch slot."""
+    cache = CPKVCache(2, 1, 8, 9, dtype=torch.float32, rank=1, world_size=3)
+    assert cache.capacity == 3 and cache.k.shape == (2, 1, 3, 8)
+    for t in range(9):
+        tok = torch.full((2, 1, 8), float(t))
+        cache.append(tok, -tok)
+    assert cache.seq_lens.tolist() == [3, 3] and cache.global_seq_lens.tolist() == [9, 9]
+    assert cache.k[:, 0, :, 0].tolist() == [[1.0, 4.0, 7.0]] * 2
+    assert cache.v[:, 0, :, 0].tolist() == [[-1.0, -4.0, -7.0]] * 2
+    assert cache.free_slots == 0
+    with pytest.raises(RuntimeError, match="full"):
+        cache.append(tok, tok)
+
+
+def test_cache_from_prefix_matches_shard_kv():
+    k, v = torch.randn(3, 2, 20, 8), torch.randn(3, 2, 20, 8)
+    seq_lens = torch.tensor([20, 4, 0])
+    cache = CPKVCache.from_prefix(k, v, seq_lens, 30, rank=2, world_size=4)
+    ks, vs, ls = shard_kv(k, v, seq_lens, 2, 4, "interleaved")
+    assert torch.equal(cache.seq_lens, ls.int()) and torch.equal(cache.k[:, :, :5], ks)
+    assert cache.free_slots == 10
+    tok = torch.ones(3, 2, 8)
+    for _ in range(3):  # positions 20..22, 4..6 and 0..2: rank 2 owns 22, 6 and 2
+        cache.append(tok, tok)
+    assert cache.seq_lens.tolist() == [6, 2, 1]
+
+
+def _cache1():
+    return CPKVCache(1, 1, 8, 10, dtype=torch.float32, rank=0, world_size=1)
+
+
+@pytest.mark.parametrize("call, exc, match", [
+    (lambda: CPKVCache(0, 1, 8, 10, rank=0, world_size=1), ValueError, "batch"),
+    (lambda: CPKVCache(1, 1, 8, 10, rank=3, world_size=2), ValueError, "rank"),
+    (lambda: CPKVCache(1, 1, 8, 10, dtype=torch.int32, rank=0, world_size=1), TypeError, "dtype"),
+    (lambda: _cache1().append(torch.ones(1, 2, 8), torch.ones(1, 2, 8)), ValueError, "k_new must have shape"),
+    (lambda: _cache1().append(torch.ones(1, 1, 8, dtype=torch.float64), torch.ones(1, 1, 8)), TypeError, "k_new"),
+    (lambda: _cache1().append(torch.ones(1, 1, 8), torch.ones(1, 1, 9)), ValueError, "v_new must have shape"),
+    (lambda: _cache1().set_lengths(torch.tensor([11])), ValueError, "seq_lens must lie in"),
+    (lambda: CPKVCache.from_prefix(torch.ones(1, 1, 10, 8), torch.ones(1, 1, 10, 8), None, 5, rank=0,
+                                   world_size=1), ValueError, "max_seq_len"),
+    (lambda: cp_flash_decode(torch.ones(1, 8, 32), torch.ones(1, 2, 4, 32), torch.ones(1, 2, 4, 32), None,
+                             return_lse=1), TypeError, "return_lse"),
+], ids=["batch-0", "rank", "dtype", "append-shape", "append-dtype", "append-v-shape", "set-lengths-range",
+        "prefix-too-long", "return-lse"])
+def test_cache_and_cp_decode_reject_bad_input(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
