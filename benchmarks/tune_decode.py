@@ -21,7 +21,7 @@ from cp_attention import flash_decode  # noqa: E402
 from cp_attention.decode import _num_sms  # noqa: E402
 from cp_attention.heuristics import decode_num_splits  # noqa: E402
 
-CONFIGS = [(64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 8, 3)]
+CONFIGS = [(128, 4, 3), (64, 4, 3), (128, 8, 3)]
 SPLITS = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128]
 SHAPES = [(1, 2048), (1, 8192), (1, 32768), (1, 131072), (1, 1048576), (4, 8192), (4, 32768), (4, 131072),
           (16, 8192), (16, 32768), (64, 2048), (64, 8192)]
