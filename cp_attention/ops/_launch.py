@@ -45,4 +45,4 @@ def launch(kernel, grid, args: tuple, constexprs: dict, **options) -> None:
             raise ValueError(f"constexprs of {kernel.__name__} must follow its signature order")
         _CACHE[key] = kernel[grid](*args, **constexprs, **options)
         return
-    compiled[grid](*args, *constexprs.values())
+    compiled[tuple(grid) + (1,) * (3 - len(grid))](*args, *constexprs.values())
