@@ -29,3 +29,13 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 def new_buffer(shape, dtype, device) -> torch.Tensor:
     """Uninitialised buffer for a kernel to fill (tests replace this to poison outputs with NaN)."""
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ints (plain Python: ``triton.cdiv`` costs microseconds per host call)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two ``>= n`` (``n >= 1``)."""
+    return 1 << (n - 1).bit_length()

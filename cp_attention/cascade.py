@@ -27,8 +27,8 @@ import numbers
 from typing import NamedTuple, Optional
 
 import torch
-import triton
 
+from ._dispatch import cdiv
 from . import _dispatch
 from ._dispatch import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, use_triton
 from .decode import _num_sms, flash_decode
@@ -196,14 +196,14 @@ def _cascade_triton(q, work, scale, fixed_splits, config) -> AttentionState:
         n_seg, t_max = lvl.k.shape[0], lvl.k.shape[2]
         # Segments read by some request: at most min(S, B); 1 when every request reads the one segment.
         n_read = 1 if kind == _SHARED_ALL else min(n_seg, b)
-        cfg = config or default_config(d, q.dtype, triton.cdiv(b * group, n_read))
+        cfg = config or default_config(d, q.dtype, cdiv(b * group, n_read))
         block_m, block_n = cfg[0], cfg[1]
         # Row tiles never cross a segment: at most ceil(B * GROUP / BLOCK_M) + n_read - 1 of them.
-        n_tiles = triton.cdiv(b * group, block_m) + n_read - 1
-        n_blocks = triton.cdiv(t_max, block_n)
+        n_tiles = cdiv(b * group, block_m) + n_read - 1
+        n_blocks = cdiv(t_max, block_n)
         splits = fixed_splits or _prefix_num_splits(n_tiles * hkv, n_blocks, _num_sms(q.device))
-        tiles_per_split = triton.cdiv(n_blocks, min(splits, n_blocks))
-        plans.append((lvl, kind, cfg, n_tiles, triton.cdiv(n_blocks, tiles_per_split), tiles_per_split))
+        tiles_per_split = cdiv(n_blocks, min(splits, n_blocks))
+        plans.append((lvl, kind, cfg, n_tiles, cdiv(n_blocks, tiles_per_split), tiles_per_split))
 
     n_slots = sum(p[4] for p in plans)
     o_all = _dispatch.new_buffer((n_slots, b * hq, d), torch.float32, q.device)

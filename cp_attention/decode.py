@@ -5,8 +5,8 @@ import math
 import numbers
 
 import torch
-import triton
 
+from ._dispatch import cdiv
 from . import _dispatch
 from ._dispatch import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, use_triton
 from .heuristics import decode_num_splits
@@ -113,11 +113,11 @@ def flash_decode(q, k, v, seq_lens=None, *, sm_scale=None, num_splits=None, kv_l
     if kv_layout == "NHD":
         k, v = k.transpose(1, 2), v.transpose(1, 2)
     config = _config or default_config(d, q.dtype)
-    n_blocks = max(1, triton.cdiv(t_max, config[0]))
+    n_blocks = max(1, cdiv(t_max, config[0]))
     if num_splits is None:
         num_splits = decode_num_splits(b, hkv, t_max, config[0], _num_sms(q.device))
-    tiles_per_split = triton.cdiv(n_blocks, min(num_splits, n_blocks))
-    splits = triton.cdiv(n_blocks, tiles_per_split)
+    tiles_per_split = cdiv(n_blocks, min(num_splits, n_blocks))
+    splits = cdiv(n_blocks, tiles_per_split)
     o = _dispatch.new_buffer((b, hq, d), q.dtype, q.device)
     lse = _dispatch.new_buffer((b, hq), torch.float32, q.device)
     if b * hq == 0:

@@ -17,16 +17,14 @@ import os
 import torch
 
 _CACHE: dict = {}
+_Tensor = torch.Tensor
 
 
-def _spec(a):
-    if isinstance(a, torch.Tensor):
-        return a.dtype, a.data_ptr() & 15 == 0
-    if isinstance(a, bool) or a is None:
-        return a
-    if isinstance(a, int):
-        return a == 1, a & 15 == 0, a > 0x7FFFFFFF or a < -0x80000000
-    return type(a)
+def _key(kernel, args, constexprs, options) -> tuple:
+    # ints: divisible by 16, equal to 1, needs 64 bits; tensors: dtype and 16-byte alignment.
+    spec = [(a & 15 == 0) + 2 * (a == 1) + 4 * (a > 0x7FFFFFFF or a < -0x80000000) if a.__class__ is int
+            else (a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, _Tensor) else a.__class__ for a in args]
+    return (kernel, torch.cuda.current_device(), *spec, *constexprs.values(), *options.values())
 
 
 def launch(kernel, grid, args: tuple, constexprs: dict, **options) -> None:
@@ -37,8 +35,7 @@ def launch(kernel, grid, args: tuple, constexprs: dict, **options) -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":
         kernel[grid](*args, **constexprs, **options)
         return
-    key = (kernel, torch.cuda.current_device(), tuple(map(_spec, args)), tuple(constexprs.values()),
-           tuple(options.values()))
+    key = _key(kernel, args, constexprs, options)
     compiled = _CACHE.get(key)
     if compiled is None:
         if list(constexprs) != kernel.arg_names[len(args):]:

@@ -3,6 +3,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._dispatch import next_pow2
 from .. import state
 from ._launch import launch
 from ._state import LN2, merge_strided
@@ -32,8 +33,8 @@ def merge_states_into(o: torch.Tensor, lse: torch.Tensor, o_out: torch.Tensor, l
     :func:`cp_attention.state.merge_states`.
     """
     n, m, d = o.shape
-    block_d = triton.next_power_of_2(d)
-    block_s = min(32, triton.next_power_of_2(n))
+    block_d = next_pow2(d)
+    block_s = min(32, next_pow2(n))
     if m == 0:
         return
     launch(

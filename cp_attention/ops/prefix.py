@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._dispatch import next_pow2
 from ._dot import dot, dot_flags
 from ._launch import launch
 from ._state import LN2, LOG2E, finalize, softmax_tile
@@ -135,7 +136,7 @@ def default_config(head_dim: int, dtype: torch.dtype, rows_per_segment: int) -> 
     ``BLOCK_M`` is 128 (two warpgroups of ``wgmma`` on sm_90) when there are rows enough, else the next
     power of two down to 16 (the smallest ``tl.dot`` tile).
     """
-    block_m = min(128 if head_dim <= 128 else 64, max(16, triton.next_power_of_2(max(rows_per_segment, 1))))
+    block_m = min(128 if head_dim <= 128 else 64, max(16, next_pow2(max(rows_per_segment, 1))))
     num_warps = 8 if block_m == 128 else 4
     if dtype == torch.float32:
         return (block_m, 32, num_warps, 2)
@@ -169,7 +170,7 @@ def prefix_attention(q, k, v, seq_lens, perm, tiles, o_part, lse_part, *, sm_sca
          v.stride(0), v.stride(1), v.stride(2),
          o_part.stride(0), o_part.stride(1), lse_part.stride(0)),
         dict(GROUP_SIZE=hq // hkv, HEAD_DIM=head_dim,
-             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
+             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(head_dim),
              HAS_SEQ_LENS=seq_lens is not None, HAS_SEGMENTS=has_segments,
              **dot_flags(q.dtype)),
         num_warps=num_warps, num_stages=num_stages,

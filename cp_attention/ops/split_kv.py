@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._dispatch import next_pow2
 from .. import _dispatch
 from ._dot import dot, dot_flags
 from ._launch import launch
@@ -162,13 +163,10 @@ def split_kv_decode(q, k, v, seq_lens, o, lse, *, sm_scale, num_splits, tiles_pe
         _split_kv_kernel, (batch * hkv, num_splits),
         (q, k, v, seq_lens if seq_lens is not None else q, o, lse, work, counter,
          sm_scale, t_max, tiles_per_split, num_splits, hkv,
-         q.stride(0), q.stride(1),
-         k.stride(0), k.stride(1), k.stride(2),
-         v.stride(0), v.stride(1), v.stride(2),
-         o.stride(0), o.stride(1)),
+         *q.stride()[:2], *k.stride()[:3], *v.stride()[:3], *o.stride()[:2]),
         dict(GROUP_SIZE=group, HEAD_DIM=head_dim,
-             BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-             BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_S=min(32, triton.next_power_of_2(num_splits)),
+             BLOCK_H=max(16, next_pow2(group)), BLOCK_N=block_n,
+             BLOCK_D=next_pow2(head_dim), BLOCK_S=min(32, next_pow2(num_splits)),
              HAS_SEQ_LENS=seq_lens is not None, IS_SPLIT=is_split, FUSE_COMBINE=fuse_combine,
              **dot_flags(q.dtype)),
         num_warps=num_warps, num_stages=num_stages,
