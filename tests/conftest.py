@@ -34,3 +34,18 @@ def poison_kernel_outputs(monkeypatch):
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
     monkeypatch.setattr(dispatch, "new_buffer", nan_buffer)
+
+
+TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def assert_state_matches(got, ref, dtype):
+    """``got`` (an AttentionState from a kernel, o in ``dtype``) equals the float64 ``ref`` within the
+    dtype's tolerance; empty key sets give exactly o = 0 and lse = -inf; no NaN anywhere."""
+    assert not torch.isnan(got.o).any() and not torch.isnan(got.lse).any()
+    tol = TOL[dtype]
+    torch.testing.assert_close(got.o.double().cpu(), ref.o.cpu(), atol=tol, rtol=tol)
+    finite = torch.isfinite(ref.lse)
+    assert torch.equal(torch.isfinite(got.lse).cpu(), finite.cpu())
+    torch.testing.assert_close(got.lse.double()[finite].cpu(), ref.lse[finite].cpu(), atol=tol, rtol=1e-4)
+    assert (got.o[~finite] == 0).all() and torch.isneginf(got.lse[~finite]).all()

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from .. import state
+from ._dot import dot
 
 LOG2E = tl.constexpr(state.LOG2E)
 LN2 = tl.constexpr(state.LN2)
@@ -45,6 +46,33 @@ def softmax_tile(m_i, l_i, acc, b_s):
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     return m_new, l_i, acc, p
+
+
+@triton.jit
+def attend_tiles(b_q, p_k, p_v, stride_kt, stride_vt, t_start, t_end, qk_scale, o_d, m_d,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                 INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """Level 1: the query rows ``b_q [BLOCK_M, BLOCK_D]`` attend to the keys ``[t_start, t_end)`` of one KV
+    head (key ``t`` at ``p_k + t * stride_kt + o_d``, value likewise), ``BLOCK_N`` keys per tile through
+    ``tl.dot``, with the online softmax of :func:`softmax_tile`. ``qk_scale`` is the score scale times
+    ``log2(e)``. Returns the normalised state ``(o [BLOCK_M, BLOCK_D] fp32, lse2 [BLOCK_M])``; an empty
+    range gives the empty state.
+    """
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for t0 in range(t_start, t_end, BLOCK_N):
+        o_t = t0 + tl.arange(0, BLOCK_N)
+        m_t = o_t < t_end
+        o_t64 = o_t.to(tl.int64)
+        m_td = m_t[:, None] & m_d[None, :]
+        b_k = tl.load(p_k + o_t64[:, None] * stride_kt + o_d[None, :], mask=m_td, other=0.0)
+        b_s = dot(b_q, tl.trans(b_k), None, INPUT_PRECISION, UPCAST) * qk_scale
+        b_s = tl.where(m_t[None, :], b_s, float("-inf"))
+        m_i, l_i, acc, p = softmax_tile(m_i, l_i, acc, b_s)
+        b_v = tl.load(p_v + o_t64[:, None] * stride_vt + o_d[None, :], mask=m_td, other=0.0)
+        acc = dot(p.to(b_v.dtype), b_v, acc, INPUT_PRECISION, UPCAST)
+    return finalize(m_i, l_i, acc)
 
 
 @triton.jit

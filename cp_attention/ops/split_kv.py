@@ -20,11 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .._dispatch import next_pow2
 from .. import _dispatch
-from ._dot import dot, dot_flags
+from .._dispatch import next_pow2
+from ._dot import dot_flags
 from ._launch import launch
-from ._state import LN2, LOG2E, finalize, merge_strided, softmax_tile
+from ._state import LN2, LOG2E, attend_tiles, merge_strided
 
 
 @triton.jit
@@ -67,23 +67,10 @@ def _split_kv_kernel(
     b_q = tl.load(p_q, mask=m_gd, other=0.0)
     qk_scale = sm_scale * LOG2E
 
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    p_k0 = K + i_b64 * stride_kb + i_h64 * stride_kh
-    p_v0 = V + i_b64 * stride_vb + i_h64 * stride_vh
-    for t0 in range(t_start, t_end, BLOCK_N):
-        o_t = t0 + tl.arange(0, BLOCK_N)
-        m_t = o_t < t_end
-        o_t64 = o_t.to(tl.int64)
-        m_td = m_t[:, None] & m_d[None, :]
-        b_k = tl.load(p_k0 + o_t64[:, None] * stride_kt + o_d[None, :], mask=m_td, other=0.0)
-        b_s = dot(b_q, tl.trans(b_k), None, INPUT_PRECISION, UPCAST) * qk_scale
-        b_s = tl.where(m_t[None, :], b_s, float("-inf"))
-        m_i, l_i, acc, p = softmax_tile(m_i, l_i, acc, b_s)
-        b_v = tl.load(p_v0 + o_t64[:, None] * stride_vt + o_d[None, :], mask=m_td, other=0.0)
-        acc = dot(p.to(b_v.dtype), b_v, acc, INPUT_PRECISION, UPCAST)
-    b_o, b_lse2 = finalize(m_i, l_i, acc)
+    p_k = K + i_b64 * stride_kb + i_h64 * stride_kh
+    p_v = V + i_b64 * stride_vb + i_h64 * stride_vh
+    b_o, b_lse2 = attend_tiles(b_q, p_k, p_v, stride_kt, stride_vt, t_start, t_end, qk_scale, o_d, m_d,
+                               BLOCK_H, BLOCK_N, BLOCK_D, INPUT_PRECISION, UPCAST)
 
     p_o = O + i_b64 * stride_ob + o_hq[:, None] * stride_oh + o_d[None, :]
     p_lse = LSE + i_b64 * (HKV * GROUP_SIZE) + o_hq
@@ -184,7 +171,7 @@ AOT_SPECS = [
     {
         "kernel": _split_kv_kernel,
         "signature": _PTRS,
-        "constexprs": dict(GROUP_SIZE=group, HEAD_DIM=128, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, BLOCK_S=16,
+        "constexprs": dict(GROUP_SIZE=group, HEAD_DIM=128, BLOCK_H=16, BLOCK_N=128, BLOCK_D=128, BLOCK_S=16,
                            HAS_SEQ_LENS=True, IS_SPLIT=split, FUSE_COMBINE=True,
                            INPUT_PRECISION="tf32", UPCAST=False),
         "options": {"num_warps": 4, "num_stages": 3},
