@@ -49,6 +49,24 @@ def softmax_tile(m_i, l_i, acc, b_s):
 
 
 @triton.jit
+def split_range(SEQ_LENS, i_seq, i_s, T_MAX, TILES_PER_SPLIT, BLOCK_N: tl.constexpr,
+                HAS_SEQ_LENS: tl.constexpr):
+    """The keys of split ``i_s`` of sequence ``i_seq``: ``[t_start, t_end)`` with splits of
+    ``CHUNK = TILES_PER_SPLIT * BLOCK_N`` tokens, cut at the sequence's length (read from ``SEQ_LENS`` and
+    clamped to ``[0, T_MAX]``, or ``T_MAX``). Returns ``(seq_len, chunk, t_start, t_end)``; ``t_end <=
+    t_start`` is an empty split."""
+    if HAS_SEQ_LENS:
+        seq_len = tl.load(SEQ_LENS + i_seq).to(tl.int32)
+        seq_len = tl.minimum(tl.maximum(seq_len, 0), T_MAX)
+    else:
+        seq_len = T_MAX
+    chunk = TILES_PER_SPLIT * BLOCK_N
+    t_start = i_s * chunk
+    t_end = tl.minimum(t_start + chunk, seq_len)
+    return seq_len, chunk, t_start, t_end
+
+
+@triton.jit
 def attend_tiles(b_q, p_k, p_v, stride_kt, stride_vt, t_start, t_end, qk_scale, o_d, m_d,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                  INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):

@@ -32,7 +32,7 @@ import triton.language as tl
 from .._dispatch import next_pow2
 from ._dot import dot_flags
 from ._launch import launch
-from ._state import LN2, LOG2E, attend_tiles
+from ._state import LN2, LOG2E, attend_tiles, split_range
 
 
 @triton.jit
@@ -62,14 +62,8 @@ def _prefix_kernel(
         i_seg = 0
         row0 = i_t * BLOCK_M
         n_rows = N_ROWS - row0
-    if HAS_SEQ_LENS:
-        seq_len = tl.load(SEQ_LENS + i_seg).to(tl.int32)
-        seq_len = tl.minimum(tl.maximum(seq_len, 0), T_MAX)
-    else:
-        seq_len = T_MAX
-    chunk = TILES_PER_SPLIT * BLOCK_N
-    t_start = i_s * chunk
-    t_end = tl.minimum(t_start + chunk, seq_len)
+    seq_len, chunk, t_start, t_end = split_range(SEQ_LENS, i_seg, i_s, T_MAX, TILES_PER_SPLIT, BLOCK_N,
+                                                 HAS_SEQ_LENS)
     t_end = tl.where(n_rows > 0, t_end, t_start)  # a padding tile reads nothing
 
     o_m = tl.arange(0, BLOCK_M)

@@ -24,7 +24,7 @@ from .. import _dispatch
 from .._dispatch import next_pow2
 from ._dot import dot_flags
 from ._launch import launch
-from ._state import LN2, LOG2E, attend_tiles, merge_strided
+from ._state import LN2, LOG2E, attend_tiles, split_range, merge_strided
 
 
 @triton.jit
@@ -47,14 +47,8 @@ def _split_kv_kernel(
     i_b64 = i_b.to(tl.int64)
     i_h64 = i_h.to(tl.int64)
 
-    if HAS_SEQ_LENS:
-        seq_len = tl.load(SEQ_LENS + i_b).to(tl.int32)
-        seq_len = tl.minimum(tl.maximum(seq_len, 0), T_MAX)
-    else:
-        seq_len = T_MAX
-    chunk = TILES_PER_SPLIT * BLOCK_N
-    t_start = i_s * chunk
-    t_end = tl.minimum(t_start + chunk, seq_len)
+    seq_len, chunk, t_start, t_end = split_range(SEQ_LENS, i_b, i_s, T_MAX, TILES_PER_SPLIT, BLOCK_N,
+                                                 HAS_SEQ_LENS)
 
     o_g = tl.arange(0, BLOCK_H)
     o_d = tl.arange(0, BLOCK_D)
