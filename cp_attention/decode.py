@@ -48,7 +48,7 @@ def _validate(q, k, v, seq_lens, sm_scale, num_splits, kv_layout, return_lse):
         raise ValueError(f"k must have head dim {d} (q.shape[2]) in dim 3, got shape {tuple(k.shape)}")
     if d % 8 != 0 or not 32 <= d <= 256:
         raise ValueError(f"q head dim must be a multiple of 8 in [32, 256], got {d}")
-    if hkv < 1 or hq % hkv != 0:
+    if hkv < 1 or hq < 1 or hq % hkv != 0:
         raise ValueError(f"q heads ({hq}) must be a multiple of the KV heads of k ({hkv}) for kv_layout={kv_layout}")
     if seq_lens is not None:
         check_tensor("seq_lens", seq_lens, dtypes=INDEX_DTYPES, ndim=1, device=q.device)
@@ -112,16 +112,16 @@ def flash_decode(q, k, v, seq_lens=None, *, sm_scale=None, num_splits=None, kv_l
 
     if kv_layout == "NHD":
         k, v = k.transpose(1, 2), v.transpose(1, 2)
+    o = _dispatch.new_buffer((b, hq, d), q.dtype, q.device)
+    lse = _dispatch.new_buffer((b, hq), torch.float32, q.device)
+    if b == 0:
+        return AttentionState(o, lse) if return_lse else o
     config = _config or default_config(d, q.dtype)
     n_blocks = max(1, cdiv(t_max, config[0]))
     if num_splits is None:
         num_splits = decode_num_splits(b, hkv, t_max, config[0], _num_sms(q.device))
     tiles_per_split = cdiv(n_blocks, min(num_splits, n_blocks))
     splits = cdiv(n_blocks, tiles_per_split)
-    o = _dispatch.new_buffer((b, hq, d), q.dtype, q.device)
-    lse = _dispatch.new_buffer((b, hq), torch.float32, q.device)
-    if b * hq == 0:
-        return AttentionState(o, lse) if return_lse else o
     parts = split_kv_decode(q, k, v, seq_lens, o, lse, sm_scale=scale, num_splits=splits,
                             tiles_per_split=tiles_per_split, config=config, fuse_combine=_fuse_combine)
     if parts is not None:  # separate combine (used to measure the combine's share)

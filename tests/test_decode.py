@@ -142,6 +142,14 @@ def test_all_empty_and_repeated_calls_leave_counters_clean():
     assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values())
 
 
+def test_empty_batch_and_empty_cache():
+    q, k, v = make(2, 8, 2, 0, 64, torch.float32)
+    got = flash_decode(q, k, v, return_lse=True)  # T_max = 0: every sequence is empty
+    assert (got.o == 0).all() and torch.isneginf(got.lse).all()
+    q, k, v = make(0, 8, 2, 10, 64, torch.float32)
+    assert flash_decode(q, k, v, return_lse=True).o.shape == (0, 8, 64)
+
+
 def test_separate_combine_matches_fused():
     q, k, v = make(2, 8, 2, 500, 64, torch.float32, seed=14)
     sl = lens(500, 99)
