@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._harness import RESULTS, capture, table, write_json  # noqa: E402
 from cp_attention import flash_decode  # noqa: E402
 from cp_attention.distributed import cp_flash_decode, merge_across_ranks  # noqa: E402
-from cp_attention.state import AttentionState  # noqa: E402
+from cp_attention.state import AttentionState, normalize, unnormalize  # noqa: E402
 
 try:
     from tqdm import tqdm
@@ -85,13 +85,10 @@ def tree_merge(state, group=None) -> AttentionState:
     o, lse = state
     m = lse.clone()
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
-    w = torch.exp(lse - m).unsqueeze(-1)
-    buf = torch.cat([o.float() * w, w], dim=-1)
+    num, den = unnormalize(o, lse, m)
+    buf = torch.cat([num, den.unsqueeze(-1)], dim=-1)
     dist.all_reduce(buf, group=group)
-    den = buf[..., -1]
-    o_out = buf[..., :-1] / torch.where(den > 0, den, torch.ones_like(den)).unsqueeze(-1)
-    return AttentionState(o_out.to(o.dtype), m + torch.log(den))
+    return normalize(buf[..., :-1], buf[..., -1], m, o.dtype)
 
 
 class Timer:

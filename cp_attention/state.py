@@ -108,17 +108,30 @@ def merge_states(o: torch.Tensor, lse: torch.Tensor, *, out_dtype: torch.dtype |
     return AttentionState(out.o.to(out_dtype), out.lse)
 
 
-def _merge_states_torch(o: torch.Tensor, lse: torch.Tensor) -> AttentionState:
-    m = lse.amax(dim=0)
+def unnormalize(o: torch.Tensor, lse: torch.Tensor, m: torch.Tensor):
+    """A state as ``(numerator, denominator)`` relative to the max lse ``m`` (``-inf`` allowed):
+    ``(exp(lse - m) * o, exp(lse - m))`` in float32, with ``m`` replaced by 0 where it is ``-inf``. The sums
+    of these over disjoint key sets, taken relative to one ``m``, go back through :func:`normalize`."""
     m_ref = torch.where(m == float("-inf"), torch.zeros_like(m), m)
     w = torch.exp(lse - m_ref)
-    l = w.sum(dim=0)
-    acc = (w.unsqueeze(-1) * o.float()).sum(dim=0)
+    return w.unsqueeze(-1) * o.float(), w
+
+
+def normalize(acc: torch.Tensor, l: torch.Tensor, m: torch.Tensor, dtype: torch.dtype) -> AttentionState:
+    """Summed ``(numerator [..., D], denominator [...])`` relative to ``m`` -> the state ``(o, lse)``; a zero
+    denominator gives the empty state (o = 0, lse = -inf)."""
+    m_ref = torch.where(m == float("-inf"), torch.zeros_like(m), m)
     has = l > 0
     l_safe = torch.where(has, l, torch.ones_like(l))
     out_o = acc / l_safe.unsqueeze(-1)
     out_lse = torch.where(has, m_ref + torch.log(l_safe), torch.full_like(l, float("-inf")))
-    return AttentionState(out_o.to(o.dtype), out_lse)
+    return AttentionState(out_o.to(dtype), out_lse)
+
+
+def _merge_states_torch(o: torch.Tensor, lse: torch.Tensor) -> AttentionState:
+    m = lse.amax(dim=0)
+    acc, w = unnormalize(o, lse, m)
+    return normalize(acc.sum(dim=0), w.sum(dim=0), m, o.dtype)
 
 
 def merge(a: AttentionState, b: AttentionState) -> AttentionState:
