@@ -1,35 +1,39 @@
 # Two commands: `make demo` (decode over a KV cache sharded across processes) and `make test`.
-# Each sets up .venv first. Without a GPU it installs the CPU build of torch and the Triton whose
-# interpreter runs the kernels on the CPU. With a GPU the venv sees the machine's torch and triton
-# (>= 3.6) and installs nothing from the network.
+# Without a GPU: a .venv with the CPU build of torch and the Triton whose interpreter runs the kernels on the
+# CPU. With a GPU: the Python that already has torch and triton (>= 3.6) on the PATH (a virtualenv's or conda
+# env's python3 included) runs from the checkout with PYTHONPATH=.; nothing is installed from the network.
 VENV ?= .venv
-PY := $(VENV)/bin/python
 TORCH_CPU ?= torch==2.13.0
 TRITON_CPU ?= triton==3.9.0
 NGPU := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 
 ifeq ($(NGPU),0)
-VENV_FLAGS :=
-INSTALL := $(PY) -m pip install -q $(TORCH_CPU) $(TRITON_CPU) && $(PY) -m pip install -q -e '.[test,bench]'
+PY := $(VENV)/bin/python
+RUN := $(PY)
+READY := $(VENV)/.ready
+$(VENV)/.ready: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q $(TORCH_CPU) $(TRITON_CPU) && $(PY) -m pip install -q -e '.[test,bench]'
+	touch $@
 else
-VENV_FLAGS := --system-site-packages
-INSTALL := $(PY) -m pip install -q --no-deps --no-build-isolation -e .
+PY := $(shell for p in python3 python; do $$p -c 'import torch, triton' >/dev/null 2>&1 && command -v $$p && break; done)
+RUN := PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PY)
+READY := gpu-env
+.PHONY: gpu-env
+gpu-env:
+	@test -n "$(PY)" || { echo "make: no python3 on the PATH imports torch and triton (activate the environment that has them)"; exit 1; }
+	@echo "GPU machine: using $(PY) (torch $$($(PY) -c 'import torch; print(torch.__version__)'), triton $$($(PY) -c 'import triton; print(triton.__version__)'))"
 endif
 
-$(VENV)/.ready: pyproject.toml
-	python3 -m venv $(VENV_FLAGS) $(VENV)
-	$(INSTALL)
-	touch $@
-
 .PHONY: setup test demo
-setup: $(VENV)/.ready
+setup: $(READY)
 
-test: $(VENV)/.ready
-	$(PY) -m pytest -q tests
+test: $(READY)
+	$(RUN) -m pytest -q tests
 
-demo: $(VENV)/.ready
+demo: $(READY)
 ifeq ($(NGPU),0)
-	TRITON_INTERPRET=1 $(PY) -m torch.distributed.run --standalone --nproc-per-node=2 launch/cp_decode.py --device cpu --context 4096 --batch 2 --steps 4
+	TRITON_INTERPRET=1 $(RUN) -m torch.distributed.run --standalone --nproc-per-node=2 launch/cp_decode.py --device cpu --context 4096 --batch 2 --steps 4
 else
-	$(PY) -m torch.distributed.run --standalone --nproc-per-node=$(NGPU) launch/cp_decode.py --context 1048576 --batch 1 --steps 32
+	NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 $(RUN) -m torch.distributed.run --standalone --nproc-per-node=$(NGPU) launch/cp_decode.py --context 1048576 --batch 1 --steps 32
 endif

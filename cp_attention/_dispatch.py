@@ -1,7 +1,12 @@
-"""Where a computation runs: the Triton kernels (CUDA, or CPU under the interpreter) or plain torch."""
+"""Where a computation runs (the Triton kernels, or plain torch) and the buffers kernels fill."""
 import os
 
 import torch
+
+# Tests set this to True: every buffer a kernel is meant to fill then starts as NaN, so an element the
+# kernel leaves unwritten fails the test. Read at every allocation, so it holds whatever way the
+# allocating module imported this one.
+POISON_OUTPUTS = False
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -9,25 +14,10 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def check_tensor(name: str, t, *, dtypes=None, ndim=None, device=None) -> None:
-    """Raise ``TypeError``/``ValueError`` naming ``name`` when ``t`` is not what is expected."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if dtypes is not None and t.dtype not in dtypes:
-        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise TypeError(f"{name} must have dtype in ({allowed}), got {str(t.dtype).replace('torch.', '')}")
-    if ndim is not None and t.dim() != ndim:
-        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name} must be on {device}, got {t.device}")
-
-
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-INDEX_DTYPES = (torch.int32, torch.int64)
-
-
 def new_buffer(shape, dtype, device) -> torch.Tensor:
-    """Uninitialised buffer for a kernel to fill (tests replace this to poison outputs with NaN)."""
+    """Uninitialised buffer for a kernel to fill (NaN-filled when :data:`POISON_OUTPUTS` is set)."""
+    if POISON_OUTPUTS:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
 
 

@@ -22,16 +22,17 @@ so a call can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
-import math
-import numbers
 from typing import NamedTuple, Optional
 
 import torch
 
-from ._dispatch import cdiv
 from . import _dispatch
-from ._dispatch import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, use_triton
-from .decode import _num_sms, flash_decode
+from ._constants import FLOAT_DTYPES
+from ._dispatch import use_triton
+from ._validate import (check_bool, check_head_dim, check_index_tensor, check_sm_scale, check_tensor,
+                        check_unit_stride, resolve_sm_scale)
+from .decode import flash_decode
+from .heuristics import num_sms, prefix_plan
 from .state import AttentionState, merge_states
 
 __all__ = ["CascadeLevel", "cascade_decode"]
@@ -55,18 +56,12 @@ class CascadeLevel(NamedTuple):
 # Kinds of level (how its segments are read).
 _PER_REQUEST, _SHARED_ALL, _SEGMENTS = "per_request", "shared_all", "segments"
 
-# A shared-level split covers at least this many K/V tiles (each split pays a prologue and a state write).
-_MIN_TILES_PER_SPLIT = 4
-_SPLIT_COST = 2
-
 
 def _validate(q, levels, sm_scale, return_lse) -> list:
     check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
-    if q.stride(-1) != 1:
-        raise ValueError(f"q must have a contiguous last dim (stride 1), got strides {q.stride()}")
+    check_unit_stride("q", q)
     b, hq, d = q.shape
-    if d % 8 != 0 or not 32 <= d <= 256:
-        raise ValueError(f"q head dim must be a multiple of 8 in [32, 256], got {d}")
+    check_head_dim(d)
     if isinstance(levels, CascadeLevel):
         raise TypeError("levels must be a list or tuple of CascadeLevel, got one CascadeLevel (wrap it in a list)")
     if not isinstance(levels, (list, tuple)):
@@ -83,8 +78,7 @@ def _validate(q, levels, sm_scale, return_lse) -> list:
             check_tensor(f"{name}.{part}", t, ndim=4, device=q.device)
             if t.dtype != q.dtype:
                 raise TypeError(f"{name}.{part} must have q's dtype {q.dtype}, got {t.dtype}")
-            if t.stride(-1) != 1:
-                raise ValueError(f"{name}.{part} must have a contiguous last dim (stride 1), got strides {t.stride()}")
+            check_unit_stride(f"{name}.{part}", t)
         k, v = lvl.k, lvl.v
         if v.shape != k.shape:
             raise ValueError(f"{name}.v must have {name}.k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
@@ -101,15 +95,8 @@ def _validate(q, levels, sm_scale, return_lse) -> list:
             raise ValueError(f"{name}.k must have {hkv0} KV heads in dim 1 (as levels[0].k), "
                              f"got shape {tuple(k.shape)}")
         if lvl.seq_lens is not None:
-            check_tensor(f"{name}.seq_lens", lvl.seq_lens, dtypes=INDEX_DTYPES, ndim=1, device=q.device)
-            if lvl.seq_lens.shape[0] != n_seg:
-                raise ValueError(f"{name}.seq_lens must have shape [{n_seg}] ({name}.k.shape[0]), "
-                                 f"got {tuple(lvl.seq_lens.shape)}")
-            if not lvl.seq_lens.is_cuda and n_seg > 0:
-                lo, hi = int(lvl.seq_lens.min()), int(lvl.seq_lens.max())
-                if lo < 0 or hi > t_max:
-                    raise ValueError(f"{name}.seq_lens must lie in [0, {t_max}] ({name}.k.shape[2]), "
-                                     f"got values in [{lo}, {hi}]")
+            check_index_tensor(f"{name}.seq_lens", lvl.seq_lens, n_seg, q.device, lo=0, hi=t_max,
+                               hi_name=f"{name}.k.shape[2]")
         ids = lvl.segment_ids
         if ids is None:
             if n_seg == b:
@@ -120,20 +107,11 @@ def _validate(q, levels, sm_scale, return_lse) -> list:
                 raise ValueError(f"{name}.segment_ids is None, so {name}.k must have 1 or B = {b} segments in "
                                  f"dim 0, got {n_seg}")
         else:
-            check_tensor(f"{name}.segment_ids", ids, dtypes=INDEX_DTYPES, ndim=1, device=q.device)
-            if ids.shape[0] != b:
-                raise ValueError(f"{name}.segment_ids must have shape [{b}] (q.shape[0]), got {tuple(ids.shape)}")
-            if not ids.is_cuda and b > 0:
-                lo, hi = int(ids.min()), int(ids.max())
-                if lo < 0 or hi >= n_seg:
-                    raise ValueError(f"{name}.segment_ids must lie in [0, {n_seg - 1}] ({name}.k has {n_seg} "
-                                     f"segments), got values in [{lo}, {hi}]")
+            check_index_tensor(f"{name}.segment_ids", ids, b, q.device, lo=0, hi=n_seg - 1,
+                               hi_name=f"{name}.k has {n_seg} segments")
             kinds.append(_SEGMENTS)
-    if sm_scale is not None and (not isinstance(sm_scale, numbers.Real) or isinstance(sm_scale, bool)
-                                 or not math.isfinite(sm_scale)):
-        raise TypeError(f"sm_scale must be a finite real number or None, got {sm_scale!r}")
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
+    check_sm_scale(sm_scale)
+    check_bool("return_lse", return_lse)
     return kinds
 
 
@@ -169,7 +147,7 @@ def cascade_decode(q, levels, *, sm_scale=None, return_lse=False, _num_splits=No
     """
     kinds = _validate(q, levels, sm_scale, return_lse)
     b, hq, d = q.shape
-    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    scale = resolve_sm_scale(sm_scale, d)
     # Levels without keys add nothing to any request.
     work = [(lvl, kind) for lvl, kind in zip(levels, kinds) if lvl.k.shape[2] > 0]
     if not use_triton(q):
@@ -183,72 +161,44 @@ def cascade_decode(q, levels, *, sm_scale=None, return_lse=False, _num_splits=No
 
 def _cascade_triton(q, work, scale, fixed_splits, config) -> AttentionState:
     from .ops.merge import merge_states_into
-    from .ops.prefix import default_config, prefix_attention
+    from .ops.prefix import prefix_attention
 
     b, hq, d = q.shape
     hkv = work[0][0].k.shape[1]
     group = hq // hkv
-    plans = []  # (level, kind, config, n_tiles, splits, tiles_per_split)
+    sms = num_sms(q.device)
+    plans = []  # (level, kind, PrefixPlan, or None for a per-request level)
     for lvl, kind in work:
         if kind == _PER_REQUEST:
-            plans.append((lvl, kind, None, 0, 1, 0))
+            plans.append((lvl, kind, None))
             continue
         n_seg, t_max = lvl.k.shape[0], lvl.k.shape[2]
         # Segments read by some request: at most min(S, B); 1 when every request reads the one segment.
         n_read = 1 if kind == _SHARED_ALL else min(n_seg, b)
-        cfg = config or default_config(d, q.dtype, cdiv(b * group, n_read))
-        block_m, block_n = cfg[0], cfg[1]
-        # Row tiles never cross a segment: at most ceil(B * GROUP / BLOCK_M) + n_read - 1 of them.
-        n_tiles = cdiv(b * group, block_m) + n_read - 1
-        n_blocks = cdiv(t_max, block_n)
-        splits = fixed_splits or _prefix_num_splits(n_tiles * hkv, n_blocks, _num_sms(q.device))
-        tiles_per_split = cdiv(n_blocks, min(splits, n_blocks))
-        plans.append((lvl, kind, cfg, n_tiles, cdiv(n_blocks, tiles_per_split), tiles_per_split))
+        plans.append((lvl, kind, prefix_plan(b, group, hkv, n_read, t_max, d, q.dtype, sms, fixed_splits,
+                                             config)))
 
-    n_slots = sum(p[4] for p in plans)
+    n_slots = sum(1 if p is None else p.num_splits for _, _, p in plans)
     o_all = _dispatch.new_buffer((n_slots, b * hq, d), torch.float32, q.device)
     lse_all = _dispatch.new_buffer((n_slots, b * hq), torch.float32, q.device)
     slot = 0
-    for lvl, kind, cfg, n_tiles, splits, tiles_per_split in plans:
-        if kind == _PER_REQUEST:
-            st = flash_decode(q, lvl.k, lvl.v, lvl.seq_lens, sm_scale=scale, return_lse=True)
-            o_all[slot].copy_(st.o.view(b * hq, d))
-            lse_all[slot].copy_(st.lse.view(b * hq))
-        else:
-            perm = tiles = None
-            if kind == _SEGMENTS:
-                perm, tiles = _tile_table(lvl.segment_ids, lvl.k.shape[0], group, cfg[0], n_tiles)
-            prefix_attention(q, lvl.k, lvl.v, lvl.seq_lens, perm, tiles,
-                             o_all[slot:slot + splits], lse_all[slot:slot + splits], sm_scale=scale,
-                             n_tiles=n_tiles, num_splits=splits, tiles_per_split=tiles_per_split, config=cfg)
-        slot += splits
+    for lvl, kind, plan in plans:
+        if plan is None:  # the level's fp32 state goes straight into its slot, unrounded
+            flash_decode(q, lvl.k, lvl.v, lvl.seq_lens, sm_scale=scale,
+                         out=AttentionState(o_all[slot].view(b, hq, d), lse_all[slot].view(b, hq)))
+            slot += 1
+            continue
+        perm = tiles = None
+        if kind == _SEGMENTS:
+            perm, tiles = _tile_table(lvl.segment_ids, lvl.k.shape[0], group, plan.config.block_m, plan.n_tiles)
+        end = slot + plan.num_splits
+        prefix_attention(q, lvl.k, lvl.v, lvl.seq_lens, perm, tiles, o_all[slot:end], lse_all[slot:end],
+                         sm_scale=scale, plan=plan)
+        slot = end
     o = _dispatch.new_buffer((b, hq, d), q.dtype, q.device)
     lse = _dispatch.new_buffer((b, hq), torch.float32, q.device)
     merge_states_into(o_all, lse_all, o.view(b * hq, d), lse.view(b * hq))
     return AttentionState(o, lse)
-
-
-def _prefix_num_splits(work_items: int, n_kv_blocks: int, num_sms: int) -> int:
-    """Splits of a shared level's tokens for ``work_items`` (row tiles × KV heads) programs per split.
-
-    A 128-row program holds a whole SM (about 170 registers × 256 threads, 128 KB of shared memory), so
-    ``S`` splits run in ``ceil(work_items * S / num_sms)`` waves of ``ceil(n_kv_blocks / S) + _SPLIT_COST``
-    tile-times each (the constant is a split's prologue, state write and merge share). The policy takes
-    the ``S`` of least modelled time (the fewest splits on a tie), with at least ``_MIN_TILES_PER_SPLIT``
-    tiles a split. Shapes only, so a CUDA graph replays with new values.
-
-    >>> _prefix_num_splits(32, 512, 132)  # B = 128, GROUP = 4, BLOCK_M = 128, Hkv = 8, 32k tokens
-    4
-    """
-    max_splits = max(1, min(128, n_kv_blocks // _MIN_TILES_PER_SPLIT))
-    best, best_time = 1, None
-    for target in range(1, max_splits + 1):
-        tiles = math.ceil(n_kv_blocks / target)
-        splits = math.ceil(n_kv_blocks / tiles)  # the count that chunks of `tiles` tiles really give
-        t = math.ceil(work_items * splits / num_sms) * (tiles + _SPLIT_COST)
-        if best_time is None or t < best_time:
-            best, best_time = splits, t
-    return best
 
 
 def _tile_table(segment_ids, n_seg, group, block_m, n_tiles):

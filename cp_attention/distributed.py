@@ -6,10 +6,10 @@ The KV cache of every sequence is split along the token axis over the ``W`` rank
 each rank holds one shard ``[B, Hkv, C, D]`` with its valid tokens packed to the front and counted by a
 per-rank ``seq_lens``. Decode then takes three steps on every rank:
 
-1. local attention: ``flash_decode(q, k_shard, v_shard, seq_lens_shard, return_lse=True)`` gives the
-   state ``(o_r, lse_r)`` of this rank's keys (``lse_r = -inf``, ``o_r = 0`` for an empty shard);
-2. one all-gather: ``o_r`` (as float32) and ``lse_r`` are packed into one float32 buffer
-   ``[B, Hq, D + 1]``, so a single collective of ``B * Hq * (D + 1)`` floats per rank moves both;
+1. local attention: ``flash_decode`` gives the state ``(o_r, lse_r)`` of this rank's keys (``lse_r =
+   -inf``, ``o_r = 0`` for an empty shard), written unrounded (fp32) straight into one packed float32
+   buffer ``[B, Hq, D + 1]`` (``o_r`` then ``lse_r``);
+2. one all-gather of that buffer: a single collective of ``B * Hq * (D + 1)`` floats per rank moves both;
 3. ⊕ over the gathered ``[W, B, Hq, D]`` states with :func:`cp_attention.state.merge_states`
    (max-subtracted, float32; see Note [The merge operator ⊕] in ``state.py``).
 
@@ -36,8 +36,10 @@ import torch
 import torch.distributed as dist
 
 from . import _dispatch
-from ._dispatch import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
-from .decode import _validate, flash_decode
+from ._constants import FLOAT_DTYPES, INDEX_DTYPES
+from ._validate import (check_bool, check_index_tensor, check_int, check_kv_layout, check_sm_scale, check_state,
+                        check_tensor)
+from .decode import check_decode_args, flash_decode
 from .state import AttentionState, merge_states
 
 __all__ = ["all_gather_states", "merge_across_ranks", "shard_kv", "cp_flash_decode", "CPKVCache"]
@@ -46,17 +48,6 @@ PLACEMENTS = ("contiguous", "interleaved")
 _DTYPE_CODES = {dtype: i + 1 for i, dtype in enumerate(FLOAT_DTYPES)}
 # torch >= 2.13 names the one-tensor all-gather all_gather_single; older releases all_gather_into_tensor.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _check_state(state) -> None:
-    if not isinstance(state, tuple) or len(state) != 2:
-        raise TypeError(f"state must be an AttentionState (o, lse), got {type(state).__name__}")
-    o, lse = state
-    check_tensor("state.o", o, dtypes=FLOAT_DTYPES)
-    check_tensor("state.lse", lse, dtypes=(torch.float32,), device=o.device)
-    if o.dim() < 1 or tuple(lse.shape) != tuple(o.shape[:-1]):
-        raise ValueError(f"state.lse must have shape {tuple(o.shape[:-1])} (= state.o.shape[:-1]), "
-                         f"got {tuple(lse.shape)}")
 
 
 def all_gather_states(state, group=None) -> AttentionState:
@@ -79,21 +70,31 @@ def all_gather_states(state, group=None) -> AttentionState:
     >>> st.o.shape, st.lse.shape
     (torch.Size([2, 4, 8, 64]), torch.Size([2, 4, 8]))
     """
-    _check_state(state)
+    check_state("state", state)
     o, lse = state
-    gathered = _all_gather_packed(o, lse, group)
+    gathered = _all_gather_packed(_pack(o, lse), group)
     d = o.shape[-1]
     return AttentionState(gathered[..., :d].to(o.dtype), gathered[..., d])
 
 
-def _all_gather_packed(o, lse, group) -> torch.Tensor:
-    """One all-gather of ``[o (float32), lse]`` packed as ``[..., D + 1]``: returns ``[W, ..., D + 1]``."""
+def _pack(o, lse) -> torch.Tensor:
+    """``[o (float32), lse]`` packed as ``[..., D + 1]`` float32."""
+    return torch.cat([o.float(), lse.unsqueeze(-1)], dim=-1)
+
+
+def _all_gather_packed(packed, group) -> torch.Tensor:
+    """One all-gather of packed states ``[..., D + 1]``: returns ``[W, ..., D + 1]``."""
     world = dist.get_world_size(group)
-    packed = torch.cat([o.float(), lse.unsqueeze(-1)], dim=-1)
-    gathered = _dispatch.new_buffer((world,) + tuple(packed.shape), torch.float32, o.device)
+    gathered = _dispatch.new_buffer((world,) + tuple(packed.shape), torch.float32, packed.device)
     # Flat 1-D buffers: every backend accepts a concatenation along dim 0 (gloo rejects a stack).
-    _all_gather_single(gathered.view(-1), packed.view(-1), group=group)
+    _all_gather_single(gathered.view(-1), packed.reshape(-1), group=group)
     return gathered
+
+
+def _merge_packed(packed, group, out_dtype) -> AttentionState:
+    gathered = _all_gather_packed(packed, group)
+    d = packed.shape[-1] - 1
+    return merge_states(gathered[..., :d], gathered[..., d], out_dtype=out_dtype)
 
 
 def merge_across_ranks(state, group=None) -> AttentionState:
@@ -110,20 +111,9 @@ def merge_across_ranks(state, group=None) -> AttentionState:
     >>> # rank r holds the state of its own keys; every rank gets the state of all keys
     >>> merged = merge_across_ranks(AttentionState(o_local, lse_local))
     """
-    _check_state(state)
+    check_state("state", state)
     o, lse = state
-    packed = _all_gather_packed(o, lse, group)
-    d = o.shape[-1]
-    return merge_states(packed[..., :d], packed[..., d], out_dtype=o.dtype)
-
-
-def _check_int(name: str, value, lo: int, hi: int | None = None) -> int:
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < lo or (hi is not None and value > hi):
-        expected = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ValueError(f"{name} must be {expected}, got {value}")
-    return int(value)
+    return _merge_packed(_pack(o, lse), group, o.dtype)
 
 
 def _interleaved_counts(seq_lens: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
@@ -132,47 +122,46 @@ def _interleaved_counts(seq_lens: torch.Tensor, rank: int, world_size: int) -> t
     return torch.div(seq_lens - rank + world_size - 1, world_size, rounding_mode="floor")
 
 
-def shard_kv(k, v, seq_lens, rank, world_size, placement="contiguous"):
+def shard_kv(k, v, seq_lens, rank, world_size, placement="contiguous", *, kv_layout="HND"):
     """One rank's shard of a KV cache split along the sequence (see Note [Context-parallel decode]).
 
     Args:
-        k, v: ``[B, Hkv, T_max, D]`` (HND), one shape, dtype and device; any float dtype.
-        seq_lens: ``[B]`` int32/int64 on k's device, ``0 <= len <= T_max``, or ``None`` (all ``T_max``).
+        k, v: ``[B, Hkv, T_max, D]`` (``kv_layout="HND"``) or ``[B, T_max, Hkv, D]`` (``"NHD"``), one shape,
+            dtype and device; any float dtype, any strides.
+        seq_lens: ``[B]`` int32/int64 on k's device (any stride), ``0 <= len <= T_max``, or ``None`` (all
+            ``T_max``).
         rank: this rank, ``0 <= rank < world_size``.
         world_size: number of ranks, ``>= 1``.
         placement: ``"contiguous"`` (rank ``r`` owns positions ``[r*C, (r+1)*C)``, ``C = ceil(T_max / W)``)
             or ``"interleaved"`` (positions ``p`` with ``p % W == r``).
+        kv_layout: the layout of ``k``/``v``, and of the shards returned.
 
     Returns:
-        ``(k_shard, v_shard, seq_lens_shard)``: ``k_shard``/``v_shard`` ``[B, Hkv, C, D]`` contiguous copies
-        (``C = ceil(T_max / W)`` for both placements; slots past the owned positions are zero) with the
-        valid tokens (positions ``< seq_len``) in order at the front, and ``seq_lens_shard [B]`` (seq_lens'
-        dtype, int64 for ``None``) counting them; 0 is normal. Computed with device ops, no host sync
-        except the range check of CPU ``seq_lens``.
+        ``(k_shard, v_shard, seq_lens_shard)``: ``k_shard``/``v_shard`` contiguous copies in ``kv_layout``
+        with ``C = ceil(T_max / W)`` positions for both placements (slots past the owned positions are
+        zero), the valid tokens (positions ``< seq_len``) in order at the front, and ``seq_lens_shard [B]``
+        (seq_lens' dtype, int64 for ``None``) counting them; 0 is normal. Computed with device ops, no host
+        sync except the range check of CPU ``seq_lens``.
 
     >>> k = torch.randn(2, 1, 10, 32)
     >>> ks, vs, lens = shard_kv(k, k, torch.tensor([10, 3]), rank=1, world_size=4, placement="interleaved")
     >>> ks.shape, lens.tolist()
     (torch.Size([2, 1, 3, 32]), [3, 1])
     """
-    world_size = _check_int("world_size", world_size, 1)
-    rank = _check_int("rank", rank, 0, world_size - 1)
+    world_size = check_int("world_size", world_size, 1)
+    rank = check_int("rank", rank, 0, world_size - 1)
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    check_kv_layout(kv_layout)
     check_tensor("k", k, dtypes=FLOAT_DTYPES, ndim=4)
     check_tensor("v", v, dtypes=(k.dtype,), ndim=4, device=k.device)
     if v.shape != k.shape:
         raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
-    b, _, t_max, _ = k.shape
+    t_dim = 2 if kv_layout == "HND" else 1
+    b, t_max = k.shape[0], k.shape[t_dim]
     if seq_lens is None:
         seq_lens = torch.full((b,), t_max, dtype=torch.int64, device=k.device)
-    check_tensor("seq_lens", seq_lens, dtypes=INDEX_DTYPES, ndim=1, device=k.device)
-    if seq_lens.shape[0] != b:
-        raise ValueError(f"seq_lens must have shape [{b}] (k.shape[0]), got {tuple(seq_lens.shape)}")
-    if not seq_lens.is_cuda and b > 0:
-        lo, hi = int(seq_lens.min()), int(seq_lens.max())
-        if lo < 0 or hi > t_max:
-            raise ValueError(f"seq_lens must lie in [0, {t_max}] (T_max), got values in [{lo}, {hi}]")
+    check_index_tensor("seq_lens", seq_lens, b, k.device, lo=0, hi=t_max, hi_name=f"T_max = k.shape[{t_dim}]")
     cap = -(-t_max // world_size)
     if placement == "contiguous":
         start = rank * cap
@@ -183,9 +172,11 @@ def shard_kv(k, v, seq_lens, rank, world_size, placement="contiguous"):
         lens = _interleaved_counts(seq_lens, rank, world_size)
     shards = []
     for t in (k, v):
-        part = t[:, :, idx]
-        shard = t.new_zeros(t.shape[:2] + (cap,) + t.shape[3:])
-        shard[:, :, : part.shape[2]] = part
+        part = t.narrow(t_dim, 0, t_max)[(slice(None),) * t_dim + (idx,)]
+        shape = list(t.shape)
+        shape[t_dim] = cap
+        shard = t.new_zeros(shape)
+        shard.narrow(t_dim, 0, part.shape[t_dim]).copy_(part)
         shards.append(shard)
     return shards[0], shards[1], lens.to(seq_lens.dtype)
 
@@ -202,8 +193,9 @@ def _check_metadata(q, k_shard, v_shard, seq_lens_shard, kwargs, group) -> None:
     rejected on one rank, or shapes that differ across ranks, raise on every rank instead of hanging."""
     error = None
     try:
-        hkv, _ = _validate(q, k_shard, v_shard, seq_lens_shard, kwargs.get("sm_scale"),
-                           kwargs.get("num_splits"), kwargs.get("kv_layout", "HND"), False)
+        hkv, _ = check_decode_args(q, k_shard, v_shard, seq_lens_shard, num_splits=kwargs.get("num_splits"),
+                                   kv_layout=kwargs.get("kv_layout", "HND"))
+        check_sm_scale(kwargs.get("sm_scale"))
         b, hq, d = q.shape
         scale = kwargs.get("sm_scale")
         scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -265,14 +257,19 @@ def cp_flash_decode(q, k_shard, v_shard, seq_lens_shard, *, group=None, check_me
     >>> o = cp_flash_decode(q, ks, vs, lens)          # == flash_decode(q, k, v, seq_lens)
     """
     return_lse = flash_decode_kwargs.pop("return_lse", False)
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
-    if not isinstance(check_metadata, bool):
-        raise TypeError(f"check_metadata must be a bool, got {check_metadata!r}")
+    check_bool("return_lse", return_lse)
+    check_bool("check_metadata", check_metadata)
+    if "out" in flash_decode_kwargs:
+        raise TypeError("cp_flash_decode does not take out (the local state goes into the exchange buffer)")
     if check_metadata:
         _check_metadata(q, k_shard, v_shard, seq_lens_shard, flash_decode_kwargs, group)
-    local = flash_decode(q, k_shard, v_shard, seq_lens_shard, return_lse=True, **flash_decode_kwargs)
-    merged = merge_across_ranks(local, group)
+    check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
+    b, hq, d = q.shape
+    # The local state, unrounded fp32 with its lse, is written straight into the buffer that is exchanged.
+    packed = _dispatch.new_buffer((b, hq, d + 1), torch.float32, q.device)
+    flash_decode(q, k_shard, v_shard, seq_lens_shard, out=AttentionState(packed[..., :d], packed[..., d]),
+                 **flash_decode_kwargs)
+    merged = _merge_packed(packed, group, q.dtype)
     return merged if return_lse else merged.o
 
 
@@ -309,16 +306,16 @@ class CPKVCache:
 
         ``rank`` and ``world_size`` default to this process's rank and size in ``group``.
         """
-        batch = _check_int("batch", batch, 1)
-        heads_kv = _check_int("heads_kv", heads_kv, 1)
-        head_dim = _check_int("head_dim", head_dim, 1)
-        max_seq_len = _check_int("max_seq_len", max_seq_len, 1)
+        batch = check_int("batch", batch, 1)
+        heads_kv = check_int("heads_kv", heads_kv, 1)
+        head_dim = check_int("head_dim", head_dim, 1)
+        max_seq_len = check_int("max_seq_len", max_seq_len, 1)
         if dtype not in FLOAT_DTYPES:
             raise TypeError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype}")
         world_size = dist.get_world_size(group) if world_size is None else world_size
-        world_size = _check_int("world_size", world_size, 1)
+        world_size = check_int("world_size", world_size, 1)
         rank = dist.get_rank(group) if rank is None else rank
-        self.rank = _check_int("rank", rank, 0, world_size - 1)
+        self.rank = check_int("rank", rank, 0, world_size - 1)
         self.world_size = world_size
         self.group = group
         self.max_seq_len = max_seq_len

@@ -1,19 +1,47 @@
-"""How many KV splits a decode launch uses.
+"""Planning: the device facts, the kernels' tile configs and every split policy, in one place.
 
 Note [Split count]
 ------------------
 Decode reads every K/V byte once, so the only goal is to keep every SM's loads in flight. The grid has
 ``B * Hkv`` programs per split; with a small batch that is far fewer than the SMs, so the KV sequence is
-split ``S`` ways. :func:`num_splits` is FlashAttention-2's wave-efficiency rule. :func:`decode_num_splits`
-is the policy :func:`cp_attention.flash_decode` uses, decided from shapes and the cache capacity
-``T_max`` only (never from device values, so a CUDA graph can be replayed with new ``seq_lens``).
+split ``S`` ways. :func:`num_splits` is FlashAttention-2's wave-efficiency rule (seed 002 section 6).
+:func:`decode_plan` is the policy :func:`cp_attention.flash_decode` uses and :func:`prefix_plan` the one
+of the shared-segment kernel of :func:`cp_attention.cascade_decode`. Both decide from shapes and the cache
+capacity ``T_max`` only (never from device values), so a CUDA graph can be replayed with new ``seq_lens``.
+
+Plans are NamedTuples, the way FlashInfer's ``plan()`` decides what its ``run()`` replays: a caller may
+build one here and pass it to :func:`cp_attention.flash_decode` (``plan=``) to run another tile config
+or split count (``benchmarks/tune_decode.py`` does).
 """
 from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
-__all__ = ["num_splits", "decode_num_splits"]
+import torch
+
+__all__ = ["num_splits", "num_sms", "DecodeConfig", "DecodePlan", "decode_config", "decode_plan",
+           "PrefixConfig", "PrefixPlan", "prefix_config", "prefix_plan", "REFERENCE_SMS"]
+
+# CPU tensors (the Triton interpreter) are planned as for the H200 the defaults were tuned on, so the
+# interpreter runs the split layouts the GPU runs.
+REFERENCE_SMS = 132
+# Shared memory one program may use on sm_90 (227 KB), for the programs-per-SM estimate.
+_SMEM_PER_SM = 227 * 1024
+
+_NUM_SMS: dict = {}
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA ``device`` (cached); :data:`REFERENCE_SMS` for other devices."""
+    if device.type != "cuda":
+        return REFERENCE_SMS
+    n = _NUM_SMS.get(device)
+    if n is None:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        n = _NUM_SMS[device] = torch.cuda.get_device_properties(index).multi_processor_count
+    return n
 
 
 def num_splits(work_items: int, slots: int, n_kv_blocks: int, max_splits: int = 128, *,
@@ -22,13 +50,13 @@ def num_splits(work_items: int, slots: int, n_kv_blocks: int, max_splits: int = 
     ``work_items * S`` programs on ``slots`` is at least ``efficiency`` (85%) as full as the best ``S``
     achieves.
 
-    Returns 1 when ``work_items >= 0.8 * slots``. Split counts that give the same number of KV blocks
+    Returns 1 when ``work_items >= 0.8 * slots`` (or there is no work). Split counts that give the same number of KV blocks
     per split as ``S - 1`` are skipped.
 
     >>> num_splits(8, 264, 1000)
     29
     """
-    if work_items >= 0.8 * slots:
+    if work_items >= 0.8 * slots or work_items < 1:
         return 1
     max_splits = min(max_splits, slots, n_kv_blocks)
     eff = {}
@@ -42,24 +70,151 @@ def num_splits(work_items: int, slots: int, n_kv_blocks: int, max_splits: int = 
     return next(s for s in sorted(eff) if eff[s] >= efficiency * best)
 
 
-# Tuned on the H200 (132 SMs, bf16, D = 128): see benchmarks/NOTES.md.
-_MIN_TILES_PER_SPLIT = 2
+# ----------------------------------------------------------------------------------------------------
+# Split-KV decode (ops/split_kv.py)
+
+
+class DecodeConfig(NamedTuple):
+    """Tile config of the split-KV kernel: ``block_n`` keys per tile, ``num_warps``, ``num_stages``
+    (software-pipelined K/V tiles in flight)."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def programs_per_sm(self, head_dim: int, dtype: torch.dtype) -> int:
+        """How many programs share an SM, from the K/V pipeline's shared memory."""
+        block_d = 1 << (head_dim - 1).bit_length()
+        smem = self.num_stages * 2 * self.block_n * block_d * dtype.itemsize
+        return max(1, min(4, _SMEM_PER_SM // max(smem, 1)))
+
+
+class DecodePlan(NamedTuple):
+    """What one :func:`cp_attention.flash_decode` launch runs: the tile config, ``num_splits`` splits of
+    ``tiles_per_split`` tiles each (the last split may be shorter)."""
+
+    config: DecodeConfig
+    num_splits: int
+    tiles_per_split: int
+
+
+def decode_config(head_dim: int, dtype: torch.dtype) -> DecodeConfig:
+    """The split-KV kernel's tile config, tuned on the H200 (benchmarks/NOTES.md)."""
+    if dtype == torch.float32:
+        return DecodeConfig(64, 4, 2) if head_dim <= 128 else DecodeConfig(32, 4, 2)
+    return DecodeConfig(128, 4, 3) if head_dim <= 128 else DecodeConfig(64, 4, 2)
+
+
+# No split gets fewer tiles than this (each split pays a prologue and a state write).
+_DECODE_MIN_TILES_PER_SPLIT = 2
 
 
 @functools.lru_cache(maxsize=4096)
-def decode_num_splits(batch: int, num_kv_heads: int, t_max: int, block_n: int, num_sms: int) -> int:
-    """The split count :func:`cp_attention.flash_decode` uses for ``B * Hkv`` work items over a cache of
-    capacity ``t_max`` read in tiles of ``block_n`` tokens on a device with ``num_sms`` SMs.
+def decode_plan(batch: int, num_kv_heads: int, t_max: int, head_dim: int, dtype: torch.dtype,
+                num_sms: int, splits: int | None = None, config: DecodeConfig | None = None) -> DecodePlan:
+    """The plan of a decode over ``batch * num_kv_heads`` (sequence, KV head) pairs and a cache of
+    capacity ``t_max``, on a device with ``num_sms`` SMs.
 
-    The tuned decode tile keeps three K/V stages in flight and fills one SM's shared memory, so the slots
-    of :func:`num_splits` are the SMs. It runs one wave (more splits only add combine work) and takes the
-    fullest one (FA2 settles for 85% of it, which here would leave up to 15% of the SMs idle for the whole
-    kernel); no split gets fewer than two tiles (each split pays a prologue and a state write).
+    ``splits`` None: the tuned policy; it runs one wave of programs (more splits only add combine work),
+    takes the fullest one (FA2 settles for 85% of it, which here would leave up to 15% of the SMs idle for
+    the whole kernel) and gives no split fewer than two tiles. An int fixes the count (capped at the
+    number of tiles). ``config`` None: :func:`decode_config`.
 
-    >>> decode_num_splits(1, 8, 131072, 128, 132), decode_num_splits(4, 8, 32768, 128, 132)
-    (16, 4)
+    >>> decode_plan(1, 8, 131072, 128, torch.bfloat16, 132).num_splits
+    16
     """
-    n_blocks = max(1, math.ceil(t_max / block_n))
-    work = batch * num_kv_heads
-    splits = num_splits(work, num_sms, n_blocks, max_splits=max(1, num_sms // work), efficiency=1.0)
-    return max(1, min(splits, n_blocks // _MIN_TILES_PER_SPLIT))
+    config = config or decode_config(head_dim, dtype)
+    n_blocks = max(1, math.ceil(t_max / config.block_n))
+    if splits is None:
+        work = batch * num_kv_heads
+        slots = num_sms * config.programs_per_sm(head_dim, dtype)
+        splits = num_splits(work, slots, n_blocks, max_splits=max(1, slots // max(work, 1)), efficiency=1.0)
+        splits = max(1, min(splits, n_blocks // _DECODE_MIN_TILES_PER_SPLIT))
+    tiles = math.ceil(n_blocks / min(splits, n_blocks))
+    return DecodePlan(config, math.ceil(n_blocks / tiles), tiles)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Shared-segment attention of cascade levels (ops/prefix.py)
+
+
+class PrefixConfig(NamedTuple):
+    """Tile config of the shared-segment kernel: ``block_m`` query rows, ``block_n`` keys per tile."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+class PrefixPlan(NamedTuple):
+    """One shared level's launch: ``n_tiles`` row tiles, ``num_splits`` splits of ``tiles_per_split``."""
+
+    config: PrefixConfig
+    n_tiles: int
+    num_splits: int
+    tiles_per_split: int
+
+
+def prefix_config(head_dim: int, dtype: torch.dtype, rows_per_segment: int) -> PrefixConfig:
+    """Tile config for segments read by about ``rows_per_segment`` query rows (requests × query heads per
+    KV head).
+
+    ``block_m`` is 128 (two warpgroups of ``wgmma`` on sm_90) when there are rows enough, else the next
+    power of two down to 16 (the smallest ``tl.dot`` tile).
+
+    >>> prefix_config(128, torch.bfloat16, 512)
+    PrefixConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    """
+    block_m = min(128 if head_dim <= 128 else 64, max(16, 1 << (max(rows_per_segment, 1) - 1).bit_length()))
+    num_warps = 8 if block_m == 128 else 4
+    if dtype == torch.float32:
+        return PrefixConfig(block_m, 32, num_warps, 2)
+    if head_dim <= 64:
+        return PrefixConfig(block_m, 128, num_warps, 3)
+    if head_dim <= 128:
+        return PrefixConfig(block_m, 64, num_warps, 3)
+    return PrefixConfig(block_m, 32, num_warps, 2)
+
+
+# A shared-level split covers at least this many K/V tiles, and pays this many tile-times of prologue,
+# state write and merge share.
+_PREFIX_MIN_TILES_PER_SPLIT = 4
+_PREFIX_SPLIT_COST = 2
+
+
+def prefix_num_splits(work_items: int, n_kv_blocks: int, num_sms: int) -> int:
+    """Splits of a shared level's tokens for ``work_items`` (row tiles × KV heads) programs per split.
+
+    A 128-row program holds a whole SM (about 170 registers × 256 threads, 128 KB of shared memory), so
+    ``S`` splits run in ``ceil(work_items * S / num_sms)`` waves of ``ceil(n_kv_blocks / S) + 2``
+    tile-times each (the constant is a split's prologue, state write and merge share). The policy takes
+    the ``S`` of least modelled time (the fewest splits on a tie), with at least 4 tiles a split.
+
+    >>> prefix_num_splits(32, 512, 132)  # B = 128, GROUP = 4, BLOCK_M = 128, Hkv = 8, 32k tokens
+    4
+    """
+    max_splits = max(1, min(128, n_kv_blocks // _PREFIX_MIN_TILES_PER_SPLIT))
+    best, best_time = 1, None
+    for target in range(1, max_splits + 1):
+        tiles = math.ceil(n_kv_blocks / target)
+        splits = math.ceil(n_kv_blocks / tiles)  # the count that chunks of `tiles` tiles really give
+        t = math.ceil(work_items * splits / num_sms) * (tiles + _PREFIX_SPLIT_COST)
+        if best_time is None or t < best_time:
+            best, best_time = splits, t
+    return best
+
+
+def prefix_plan(batch: int, group: int, num_kv_heads: int, n_read: int, t_max: int, head_dim: int,
+                dtype: torch.dtype, num_sms: int, splits: int | None = None,
+                config: PrefixConfig | None = None) -> PrefixPlan:
+    """The plan of one shared level: ``n_read`` segments (at most ``min(S, B)``) read by ``batch``
+    requests of ``group`` query heads per KV head. Row tiles never cross a segment, so there are at most
+    ``ceil(batch * group / block_m) + n_read - 1`` of them."""
+    config = config or prefix_config(head_dim, dtype, math.ceil(batch * group / max(n_read, 1)))
+    n_tiles = math.ceil(batch * group / config.block_m) + n_read - 1
+    n_blocks = max(1, math.ceil(t_max / config.block_n))
+    if splits is None:
+        splits = prefix_num_splits(n_tiles * num_kv_heads, n_blocks, num_sms)
+    tiles = math.ceil(n_blocks / min(splits, n_blocks))
+    return PrefixPlan(config, n_tiles, math.ceil(n_blocks / tiles), tiles)

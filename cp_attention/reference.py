@@ -39,9 +39,13 @@ def attention(q, k, v, seq_lens=None, *, sm_scale=None, kv_layout="HND") -> Atte
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     kk = k.to(ct).repeat_interleave(hq // hkv, dim=1)
     vv = v.to(ct).repeat_interleave(hq // hkv, dim=1)
+    if seq_lens is not None:
+        # Positions past a sequence's length may hold garbage (NaN, inf): they never enter the result.
+        valid = torch.arange(t, device=k.device)[None, :] < seq_lens.to(k.device).long()[:, None]  # [B, T]
+        kk = kk.masked_fill(~valid[:, None, :, None], 0.0)
+        vv = vv.masked_fill(~valid[:, None, :, None], 0.0)
     s = torch.einsum("bhd,bhtd->bht", q.to(ct), kk) * scale
     if seq_lens is not None:
-        valid = torch.arange(t, device=s.device)[None, :] < seq_lens.to(s.device).long()[:, None]
         s = s.masked_fill(~valid[:, None, :], float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     lse_ref = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)

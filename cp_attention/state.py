@@ -13,7 +13,11 @@ For disjoint ``I`` and ``J``::
 form, in float32: with ``m = max_j lse_j`` the weights are ``exp(lse_j - m) <= 1``, so lse values in the
 hundreds or thousands never overflow; when every input is empty the reference max is 0, so no
 ``-inf - -inf`` is ever formed and the result is the empty state, not NaN. The Triton kernels use the
-same rule in base 2 (``ops/_state.py``).
+same rule (``ops/_state.py``), subtracting the max before any change of base.
+
+Non-finite lse values are defined, not accidents: a state whose lse equals the max has weight exactly 1,
+so states with ``lse = +inf`` (infinite mass) share the result equally and the merged lse is ``+inf``;
+a NaN lse in any input makes that row's merged ``o`` and ``lse`` NaN (garbage is never hidden).
 """
 from __future__ import annotations
 
@@ -23,12 +27,11 @@ from typing import NamedTuple
 import torch
 
 from . import _dispatch
-from ._dispatch import FLOAT_DTYPES, check_tensor, use_triton
+from ._constants import FLOAT_DTYPES, LN2, LOG2E
+from ._dispatch import use_triton
+from ._validate import check_state, check_state_tensors
 
 __all__ = ["AttentionState", "merge", "merge_states", "lse_to_base2", "lse_from_base2"]
-
-LN2 = math.log(2.0)
-LOG2E = 1.0 / LN2
 
 
 class AttentionState(NamedTuple):
@@ -59,15 +62,6 @@ class AttentionState(NamedTuple):
         )
 
 
-def _check_state_pair(o: torch.Tensor, lse: torch.Tensor, o_name: str, lse_name: str) -> None:
-    check_tensor(o_name, o, dtypes=FLOAT_DTYPES)
-    check_tensor(lse_name, lse, dtypes=(torch.float32,), device=o.device)
-    if o.dim() < 1 or tuple(lse.shape) != tuple(o.shape[:-1]):
-        raise ValueError(
-            f"{lse_name} must have shape {tuple(o.shape[:-1])} (= {o_name}.shape[:-1]), got {tuple(lse.shape)}"
-        )
-
-
 def merge_states(o: torch.Tensor, lse: torch.Tensor, *, out_dtype: torch.dtype | None = None) -> AttentionState:
     """⊕ over dim 0: merge ``N`` states of disjoint key sets into one.
 
@@ -85,7 +79,7 @@ def merge_states(o: torch.Tensor, lse: torch.Tensor, *, out_dtype: torch.dtype |
     >>> merge_states(o, torch.zeros(2, 1)).o
     tensor([[0.5000, 0.5000]])
     """
-    _check_state_pair(o, lse, "o", "lse")
+    check_state_tensors(o, lse, "o", "lse")
     if o.dim() < 2 or o.shape[0] < 1:
         raise ValueError(f"o must have shape [N, ..., D] with N >= 1, got {tuple(o.shape)}")
     n, d = o.shape[0], o.shape[-1]
@@ -110,10 +104,11 @@ def merge_states(o: torch.Tensor, lse: torch.Tensor, *, out_dtype: torch.dtype |
 
 def unnormalize(o: torch.Tensor, lse: torch.Tensor, m: torch.Tensor):
     """A state as ``(numerator, denominator)`` relative to the max lse ``m`` (``-inf`` allowed):
-    ``(exp(lse - m) * o, exp(lse - m))`` in float32, with ``m`` replaced by 0 where it is ``-inf``. The sums
-    of these over disjoint key sets, taken relative to one ``m``, go back through :func:`normalize`."""
+    ``(exp(lse - m) * o, exp(lse - m))`` in float32, with ``m`` replaced by 0 where it is ``-inf`` and a
+    weight of exactly 1 where ``lse == m`` (see Note [The merge operator ⊕]). The sums of these over
+    disjoint key sets, taken relative to one ``m``, go back through :func:`normalize`."""
     m_ref = torch.where(m == float("-inf"), torch.zeros_like(m), m)
-    w = torch.exp(lse - m_ref)
+    w = torch.where(lse == m_ref, torch.ones_like(lse), torch.exp(lse - m_ref))
     return w.unsqueeze(-1) * o.float(), w
 
 
@@ -121,10 +116,10 @@ def normalize(acc: torch.Tensor, l: torch.Tensor, m: torch.Tensor, dtype: torch.
     """Summed ``(numerator [..., D], denominator [...])`` relative to ``m`` -> the state ``(o, lse)``; a zero
     denominator gives the empty state (o = 0, lse = -inf)."""
     m_ref = torch.where(m == float("-inf"), torch.zeros_like(m), m)
-    has = l > 0
-    l_safe = torch.where(has, l, torch.ones_like(l))
+    empty = l == 0  # (a NaN sum is not empty: it stays NaN)
+    l_safe = torch.where(empty, torch.ones_like(l), l)
     out_o = acc / l_safe.unsqueeze(-1)
-    out_lse = torch.where(has, m_ref + torch.log(l_safe), torch.full_like(l, float("-inf")))
+    out_lse = torch.where(empty, torch.full_like(l, float("-inf")), m_ref + torch.log(l_safe))
     return AttentionState(out_o.to(dtype), out_lse)
 
 
@@ -145,10 +140,8 @@ def merge(a: AttentionState, b: AttentionState) -> AttentionState:
     >>> merge(a, b).lse
     tensor([0.6931])
     """
-    for name, s in (("a", a), ("b", b)):
-        if not isinstance(s, tuple) or len(s) != 2:
-            raise TypeError(f"{name} must be an AttentionState (o, lse), got {type(s).__name__}")
-        _check_state_pair(s[0], s[1], f"{name}.o", f"{name}.lse")
+    check_state("a", a)
+    check_state("b", b)
     if a[0].shape != b[0].shape:
         raise ValueError(f"b.o must have a.o's shape {tuple(a[0].shape)}, got {tuple(b[0].shape)}")
     if a[0].device != b[0].device:

@@ -8,7 +8,6 @@ import torch
 
 from cp_attention import flash_decode
 from cp_attention.cascade import CascadeLevel, _tile_table, cascade_decode
-from cp_attention.ops.prefix import default_config
 from cp_attention.reference import attention
 
 from .conftest import DEVICE, TOL, assert_state_matches
@@ -195,10 +194,23 @@ def test_tile_table_covers_each_row_once(segment_ids, n_seg, group, block_m):
     assert sorted(seen) == [(r, h) for r in range(b) for h in range(group)]
 
 
-def test_default_config_block_m():
-    assert default_config(128, torch.bfloat16, 512) == (128, 64, 8, 3)
-    assert default_config(64, torch.bfloat16, 4)[0] == 16
-    assert default_config(256, torch.bfloat16, 512)[0] == 64
+def test_strided_index_tensors():
+    """seq_lens and segment_ids as columns of [n, 2] tensors: every kernel honours their strides."""
+    g = torch.Generator().manual_seed(8)
+    b, hq, hkv, d = 4, 8, 2, 32
+    q = torch.randn(b, hq, d, generator=g).to(DEVICE)
+    grp_meta = ints(60, 1, 0, 9, 17, 5).view(3, 2)           # column 0: the group segments' lengths
+    ids_meta = ints(2, 0, 0, 1, 1, 2, 2, 0).view(4, 2)       # column 0: each request's segment
+    suf_meta = ints(5, 20, 0, 20, 19, 1, 1, 7).view(4, 2)    # column 0: each request's suffix length
+    levels = [level(g, 1, hkv, 50, d, torch.float32),
+              level(g, 3, hkv, 60, d, torch.float32, grp_meta[:, 0], ids_meta[:, 0]),
+              level(g, b, hkv, 20, d, torch.float32, suf_meta[:, 0])]
+    assert levels[1].seq_lens.stride(0) == 2 and levels[1].segment_ids.stride(0) == 2
+    got = check(q, levels, _num_splits=2)
+    contiguous = [CascadeLevel(lvl.k, lvl.v, *(x.contiguous() if x is not None else None
+                                               for x in (lvl.seq_lens, lvl.segment_ids))) for lvl in levels]
+    want = cascade_decode(q, contiguous, return_lse=True, _num_splits=2)
+    torch.testing.assert_close(got.o, want.o, atol=0, rtol=0)
 
 
 def _bad_cases():

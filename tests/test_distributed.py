@@ -31,14 +31,10 @@ TOL_REF = {torch.float32: (2e-4, 2e-4), torch.bfloat16: (3e-2, 3e-2)}
 # The worker pool
 
 
-def _nan_buffer(shape, dtype, device):
-    return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-
 def _worker(rank, world, init_file, tasks, results):
     import cp_attention._dispatch as dispatch
 
-    dispatch.new_buffer = _nan_buffer  # every kernel/collective output starts as NaN
+    dispatch.POISON_OUTPUTS = True  # every kernel/collective output starts as NaN
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
@@ -148,12 +144,16 @@ def _check_against_single(q, k, v, seq_lens, got):
 # Cases (each runs on every rank)
 
 
-def case_decode(rank, world, *, b, hq, hkv, t, d, lens, placement, dtype=torch.float32):
+def case_decode(rank, world, *, b, hq, hkv, t, d, lens, placement, dtype=torch.float32, layout="HND",
+                strided_lens=False):
     q, k, v, seq_lens = _cache(b, hq, hkv, t, d, lens, dtype=dtype)
-    ks, vs, ls = shard_kv(k, v, seq_lens, rank, world, placement)
-    got = cp_flash_decode(q, ks, vs, ls, return_lse=True)
+    kl, vl = (k, v) if layout == "HND" else (k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous())
+    ks, vs, ls = shard_kv(kl, vl, seq_lens, rank, world, placement, kv_layout=layout)
+    if strided_lens:  # a column of a [B, 2] tensor
+        ls = torch.stack([ls, torch.full_like(ls, 10**6)], dim=1)[:, 0]
+    got = cp_flash_decode(q, ks, vs, ls, return_lse=True, kv_layout=layout)
     _check_against_single(q, k, v, seq_lens, got)
-    o_only = cp_flash_decode(q, ks, vs, ls, check_metadata=False)
+    o_only = cp_flash_decode(q, ks, vs, ls, check_metadata=False, kv_layout=layout)
     assert torch.equal(o_only, got.o)
     return got
 
@@ -270,6 +270,12 @@ DECODE_CASES = [
                          dtype=torch.bfloat16), False, id="W4-interleaved-GQA-bf16-ragged"),
     pytest.param(8, dict(b=3, hq=8, hkv=2, t=37, d=32, lens=[37, 5, 0], placement="interleaved"),
                  True, id="W8-interleaved-GQA-short-interp"),
+    pytest.param(2, dict(b=3, hq=8, hkv=2, t=90, d=32, lens=[90, 41, 3], placement="contiguous", layout="NHD"),
+                 False, id="W2-contiguous-NHD-ragged"),
+    pytest.param(3, dict(b=3, hq=8, hkv=2, t=90, d=32, lens=[90, 41, 0], placement="interleaved", layout="NHD",
+                         strided_lens=True), True, id="W3-interleaved-NHD-strided-lens-interp"),
+    pytest.param(2, dict(b=2, hq=4, hkv=2, t=64, d=32, lens=[64, 30], placement="contiguous",
+                         strided_lens=True), False, id="W2-contiguous-strided-lens"),
 ]
 
 
@@ -350,6 +356,18 @@ def test_shard_kv_partitions_the_valid_tokens(world, placement):
     assert torch.equal(seen, (torch.arange(t)[None, :] < seq_lens[:, None]).long())
 
 
+@pytest.mark.parametrize("placement", ["contiguous", "interleaved"])
+def test_shard_kv_nhd_is_the_transposed_hnd_shard(placement):
+    k, v = torch.randn(3, 2, 29, 8), torch.randn(3, 2, 29, 8)
+    seq_lens = torch.tensor([29, 11, 0, 5, 6, 7])[::2]  # strided
+    for r in range(3):
+        hnd = shard_kv(k, v, seq_lens, r, 3, placement)
+        nhd = shard_kv(k.transpose(1, 2), v.transpose(1, 2), seq_lens, r, 3, placement, kv_layout="NHD")
+        assert nhd[0].shape == (3, 10, 2, 8) and nhd[0].is_contiguous()
+        assert torch.equal(nhd[0], hnd[0].transpose(1, 2)) and torch.equal(nhd[1], hnd[1].transpose(1, 2))
+        assert torch.equal(nhd[2], hnd[2])
+
+
 def test_shard_kv_short_cache_and_defaults():
     k = torch.randn(1, 1, 3, 8, dtype=torch.bfloat16)
     lens = [shard_kv(k, k, None, r, 8, "contiguous")[2].item() for r in range(8)]
@@ -372,8 +390,11 @@ def test_shard_kv_short_cache_and_defaults():
     (dict(seq_lens=torch.tensor([1, 2, 3])), ValueError, "seq_lens must have shape"),
     (dict(seq_lens=torch.tensor([1, 11])), ValueError, "seq_lens must lie in"),
     (dict(seq_lens=torch.tensor([-1, 1])), ValueError, "seq_lens must lie in"),
+    (dict(kv_layout="BTHD"), ValueError, "kv_layout"),
+    (dict(kv_layout="NHD", seq_lens=torch.tensor([1, 2])), ValueError, r"seq_lens must lie in \[0, 1\]"),
 ], ids=["rank-too-big", "rank-negative", "world-0", "rank-float", "world-bool", "placement", "k-3d",
-        "v-shape", "v-dtype", "seq-lens-float", "seq-lens-shape", "seq-lens-too-long", "seq-lens-negative"])
+        "v-shape", "v-dtype", "seq-lens-float", "seq-lens-shape", "seq-lens-too-long", "seq-lens-negative",
+        "kv-layout", "nhd-positions-in-dim-1"])
 def test_shard_kv_rejects_bad_input(kwargs, exc, match):
     args = dict(k=torch.randn(2, 1, 10, 8), v=torch.randn(2, 1, 10, 8), seq_lens=torch.tensor([10, 3]),
                 rank=0, world_size=2, placement="contiguous")

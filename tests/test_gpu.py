@@ -1,13 +1,32 @@
-"""GPU-only checks (skipped without CUDA): CUDA-graph replay with new q and seq_lens, long bf16 caches
-against the float64 oracle, and the merge kernel against the torch path on the device."""
+"""GPU-only checks (skipped without CUDA): CUDA-graph capture and replay with new inputs of flash_decode,
+cascade_decode and CPKVCache (append + decode, over NCCL), long bf16 caches against the float64 oracle,
+and the merge kernel against the float64 merge formula."""
+import datetime
+import os
+
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from cp_attention import flash_decode, merge_states
+from cp_attention import CascadeLevel, cascade_decode, flash_decode, merge_states
+from cp_attention.distributed import CPKVCache
 from cp_attention.reference import attention
-from cp_attention.state import _merge_states_torch
 
 pytestmark = pytest.mark.gpu
+
+
+def _capture(fn):
+    """``fn()`` warmed up on a side stream, then captured; returns (graph, its output)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    return g, out
 
 
 @pytest.mark.parametrize("b,t,splits", [(1, 65536, None), (3, 20000, 7), (64, 4096, None)],
@@ -19,14 +38,7 @@ def test_cuda_graph_replay_with_new_q_and_seq_lens(b, t, splits):
     k = torch.randn(b, hkv, t, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(b, hkv, t, d, device="cuda", dtype=torch.bfloat16)
     seq_lens = torch.full((b,), t, dtype=torch.int32, device="cuda")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        flash_decode(q, k, v, seq_lens, num_splits=splits)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = flash_decode(q, k, v, seq_lens, num_splits=splits, return_lse=True)
+    g, out = _capture(lambda: flash_decode(q, k, v, seq_lens, num_splits=splits, return_lse=True))
     for step in range(4):
         q.copy_(torch.randn_like(q) * (1 + 10 * step))
         seq_lens.copy_(torch.randint(0, t + 1, (b,), device="cuda"))
@@ -38,6 +50,103 @@ def test_cuda_graph_replay_with_new_q_and_seq_lens(b, t, splits):
         torch.testing.assert_close(out.lse, eager.lse, atol=0, rtol=0)
         ref = attention(q.double(), k.double(), v.double(), seq_lens)
         torch.testing.assert_close(out.o.double(), ref.o, atol=2e-2, rtol=2e-2)
+
+
+def test_cascade_graph_replay_with_new_inputs():
+    """A shared prefix, group segments and per-request suffixes: captured once, replayed with new queries,
+    new lengths, new segment assignments and new suffix tokens; each replay equals the float64 oracle on
+    every request's concatenated cache."""
+    torch.manual_seed(0)
+    b, hq, hkv, d, dt = 6, 16, 4, 128, torch.bfloat16
+    q = torch.randn(b, hq, d, device="cuda", dtype=dt)
+    pre_k, pre_v = (torch.randn(1, hkv, 3000, d, device="cuda", dtype=dt) for _ in range(2))
+    grp_k, grp_v = (torch.randn(3, hkv, 700, d, device="cuda", dtype=dt) for _ in range(2))
+    grp_lens = torch.tensor([700, 5, 300], device="cuda")
+    seg_ids = torch.tensor([0, 1, 2, 0, 1, 2], device="cuda")
+    suf_k, suf_v = (torch.randn(b, hkv, 256, d, device="cuda", dtype=dt) for _ in range(2))
+    suf_lens = torch.full((b,), 256, device="cuda", dtype=torch.int32)
+    levels = [CascadeLevel(pre_k, pre_v), CascadeLevel(grp_k, grp_v, grp_lens, seg_ids),
+              CascadeLevel(suf_k, suf_v, suf_lens)]
+    g, out = _capture(lambda: cascade_decode(q, levels, return_lse=True))
+    for step in range(3):
+        q.copy_(torch.randn_like(q) * (1 + 5 * step))
+        suf_lens.copy_(torch.randint(0, 257, (b,), device="cuda"))
+        seg_ids.copy_(torch.randint(0, 3, (b,), device="cuda"))
+        grp_lens.copy_(torch.randint(0, 701, (3,), device="cuda"))
+        suf_k.normal_()
+        g.replay()
+        eager = cascade_decode(q, levels, return_lse=True)
+        torch.testing.assert_close(out.o, eager.o, atol=0, rtol=0)
+        for i in range(b):
+            s = int(seg_ids[i])
+            k = torch.cat([pre_k[0], grp_k[s, :, : int(grp_lens[s])], suf_k[i, :, : int(suf_lens[i])]], 1)
+            v = torch.cat([pre_v[0], grp_v[s, :, : int(grp_lens[s])], suf_v[i, :, : int(suf_lens[i])]], 1)
+            ref = attention(q[i:i + 1].double(), k[None].double(), v[None].double())
+            torch.testing.assert_close(out.o[i:i + 1].double(), ref.o, atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(out.lse[i:i + 1].double(), ref.lse, atol=1e-3, rtol=1e-4)
+
+
+def _cp_cache_graph_worker(rank, world, init_file, errors):
+    try:
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=120))
+        dev = torch.device("cuda", rank)
+        b, hq, hkv, d, prefix, steps, dt = 2, 32, 8, 128, 5000, 6, torch.bfloat16
+        g = torch.Generator(dev).manual_seed(0)  # the same inputs on every rank
+        k = torch.randn(b, hkv, prefix, d, generator=g, device=dev, dtype=dt)
+        v = torch.randn(b, hkv, prefix, d, generator=g, device=dev, dtype=dt)
+        lens = torch.tensor([prefix, 1234], device=dev)
+        q_steps = torch.randn(steps, b, hq, d, generator=g, device=dev, dtype=dt)
+        kv_steps = torch.randn(2, steps, b, hkv, d, generator=g, device=dev, dtype=dt)
+        cache = CPKVCache.from_prefix(k, v, lens, prefix + steps)
+        cache.decode(q_steps[0], check_metadata=True)
+        q_in, k_in, v_in = q_steps[0].clone(), kv_steps[0, 0].clone(), kv_steps[1, 0].clone()
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            cache.decode(q_in, check_metadata=False)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            cache.append(k_in, v_in)
+            o_out = cache.decode(q_in, check_metadata=False)
+        full_k = torch.nn.functional.pad(k, (0, 0, 0, steps))
+        full_v = torch.nn.functional.pad(v, (0, 0, 0, steps))
+        rows = torch.arange(b, device=dev)
+        outs = []
+        for s in range(steps):
+            q_in.copy_(q_steps[s])
+            k_in.copy_(kv_steps[0, s])
+            v_in.copy_(kv_steps[1, s])
+            graph.replay()
+            full_k[rows, :, lens + s] = kv_steps[0, s]
+            full_v[rows, :, lens + s] = kv_steps[1, s]
+            ref = attention(q_steps[s].double(), full_k.double(), full_v.double(), lens + s + 1)
+            torch.testing.assert_close(o_out.double(), ref.o, atol=2e-2, rtol=2e-2)
+            outs.append(o_out.clone())
+        gathered = [torch.empty_like(outs[-1]) for _ in range(world)]
+        dist.all_gather(gathered, outs[-1])
+        assert all(torch.equal(x, gathered[0]) for x in gathered), "ranks differ"
+        dist.destroy_process_group()
+    except Exception:  # reported to the parent
+        import traceback
+
+        errors.put(f"rank {rank}: {traceback.format_exc()}")
+
+
+def test_cp_cache_graph_replay_with_new_tokens(tmp_path):
+    """CPKVCache append + decode captured in one CUDA graph over NCCL (all GPUs, at most 2 ranks), replayed
+    step after step with new tokens and queries; every step equals the float64 oracle on the unsharded
+    cache and the ranks agree bitwise."""
+    world = min(2, torch.cuda.device_count())
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    env = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+    os.environ.update(env)
+    mp.start_processes(_cp_cache_graph_worker, args=(world, str(tmp_path / "init"), errors), nprocs=world,
+                       start_method="spawn", join=True)
+    assert errors.empty(), errors.get()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=lambda d: str(d)[6:])
@@ -59,12 +168,19 @@ def test_long_cache_against_float64(dtype, hq, hkv, d):
 
 @pytest.mark.parametrize("n", [2, 8, 32])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=lambda d: str(d)[6:])
-def test_merge_kernel_on_gpu(n, dtype):
+def test_merge_kernel_on_gpu_against_float64(n, dtype):
     o = torch.randn(n, 64, 32, 128, device="cuda").to(dtype)
     lse = (torch.rand(n, 64, 32, device="cuda") - 0.5) * 500
     lse[0, 0] = float("-inf")
+    lse[:, 1, 1] = float("-inf")
     got = merge_states(o, lse)
-    want = _merge_states_torch(o, lse)
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(got.o.float(), want.o.float(), atol=tol, rtol=tol)
-    torch.testing.assert_close(got.lse, want.lse, atol=1e-4, rtol=1e-6)
+    lse64 = lse.double()
+    m = lse64.amax(0)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    w = torch.exp(lse64 - m)
+    o64 = (w[..., None] * o.double()).sum(0) / w.sum(0).clamp_min(1e-300)[..., None]
+    lse_ref = m + torch.log(w.sum(0))
+    tol = 1e-6 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(got.o.double(), o64.to(dtype).double(), atol=tol, rtol=tol)
+    torch.testing.assert_close(got.lse.double(), lse_ref, atol=1e-4, rtol=1e-6)
+    assert (got.o[1, 1] == 0).all() and torch.isneginf(got.lse[1, 1])

@@ -1,6 +1,7 @@
 """The ⊕ algebra: torch path and the Triton merge kernel (interpreter) against float64 maths."""
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -162,5 +163,50 @@ BAD = [
 
 @pytest.mark.parametrize("fn,exc,name", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
 def test_bad_input(fn, exc, name):
-    with pytest.raises(exc, match=name):
+    # The message starts with the argument's name (a bare search for "b" would match "must be").
+    with pytest.raises(exc, match=rf"^{re.escape(name)}\b"):
         fn()
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def merge_path(request, monkeypatch):
+    """Run merge_states through the Triton kernel (GPU, or the interpreter) or the torch path (CPU)."""
+    if request.param == "torch":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("level", [1e4, 1e5, -3e4])
+def test_merge_precision_at_large_lse(level, merge_path):
+    """States at |lse| ~ 1e4..1e5: the max is subtracted before any change of base, so the weights are
+    exact to fp32 (converting lse to base 2 first costs ~1e-4 of o at 1e4)."""
+    g = torch.Generator().manual_seed(1)
+    o = torch.randn(2, 64, 32, generator=g)
+    lse = torch.full((2, 64), level)
+    lse[1, 32:] -= 1.0  # half the rows tied, half one nat apart
+    got = merge_states(o.to(merge_path), lse.to(merge_path))
+    o64, lse64 = merge64(list(o), list(lse))
+    torch.testing.assert_close(got.o.cpu().double(), o64, atol=1e-6, rtol=0)
+    torch.testing.assert_close(got.lse.cpu().double(), lse64, atol=abs(level) * 2 ** -23, rtol=0)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's inf - inf
+def test_merge_of_non_finite_lse(merge_path):
+    """lse = +inf: infinite mass, the +inf states share the result and the lse stays +inf. lse = NaN: the
+    row is NaN. All empty: o = 0, lse = -inf."""
+    g = torch.Generator().manual_seed(2)
+    o = torch.randn(3, 4, 8, generator=g)
+    lse = torch.randn(3, 4, generator=g)
+    lse[0, 0] = float("inf")                       # row 0: one infinite state
+    lse[0, 1] = lse[2, 1] = float("inf")           # row 1: two of them
+    lse[1, 2] = float("nan")                       # row 2: a NaN
+    lse[:, 3] = float("-inf")                      # row 3: every state empty
+    o[:, 3] = 0
+    got = merge_states(o.to(merge_path), lse.to(merge_path))
+    go, gl = got.o.cpu(), got.lse.cpu()
+    assert torch.equal(go[0], o[0, 0]) and gl[0] == float("inf")
+    torch.testing.assert_close(go[1], (o[0, 1] + o[2, 1]) / 2, atol=1e-6, rtol=0)
+    assert gl[1] == float("inf")
+    assert torch.isnan(go[2]).all() and torch.isnan(gl[2])
+    assert (go[3] == 0).all() and gl[3] == float("-inf")

@@ -3,11 +3,15 @@
 Note [Kernel launch cache]
 --------------------------
 A decode step is microseconds of GPU work, so the host cost of a launch matters in eager mode. Triton's
-``JITFunction.run`` rebuilds a string key from every argument's specialisation on every call (tens of µs
-for a kernel with thirty arguments). :func:`launch` keeps the ``CompiledKernel`` that the JIT returned,
-under a key that is at least as fine as the JIT's own specialisation (tensor dtype and 16-byte alignment;
-for ints: equal to 1, divisible by 16, needing 64 bits; constexpr values; launch options), and calls it
-directly on later launches. The first launch of each key goes through the JIT (and its disk cache).
+``JITFunction.run`` rebuilds a key from every argument's specialisation on every call (tens of µs for a
+kernel with thirty arguments). A :class:`Launcher` is bound to one kernel, grid, constexprs and launch
+options; its first call goes through the JIT (and its disk cache) and keeps the ``CompiledKernel``; later
+calls hand the arguments straight to the compiled kernel's launcher on the current stream.
+
+This is only valid while the arguments specialise as they did on the first call: pointers with the same
+16-byte alignment, ints with the same "equal to 1", "divisible by 16" and "needs 64 bits" properties.
+Callers guarantee it by keying their launchers on everything that decides those properties (shapes,
+strides, dtypes, pointer alignment): :func:`specialization` computes the key of one argument list.
 Under ``TRITON_INTERPRET=1`` every launch goes through the JIT, which is the interpreter.
 """
 from __future__ import annotations
@@ -16,30 +20,68 @@ import os
 
 import torch
 
-_CACHE: dict = {}
 _Tensor = torch.Tensor
 
 
-def _key(kernel, args, constexprs, options) -> tuple:
-    # ints: divisible by 16, equal to 1, needs 64 bits; tensors: dtype and 16-byte alignment.
-    spec = [(a & 15 == 0) + 2 * (a == 1) + 4 * (a > 0x7FFFFFFF or a < -0x80000000) if a.__class__ is int
-            else (a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, _Tensor) else a.__class__ for a in args]
-    return (kernel, torch.cuda.current_device(), *spec, *constexprs.values(), *options.values())
+def specialization(args) -> tuple:
+    """What Triton specialises a launch on: ints (divisible by 16, equal to 1, needing 64 bits), tensors
+    (dtype, 16-byte alignment), and the type of anything else."""
+    return tuple((a & 15 == 0) + 2 * (a == 1) + 4 * (a > 0x7FFFFFFF or a < -0x80000000) if a.__class__ is int
+                 else (a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, _Tensor) else a.__class__ for a in args)
+
+
+class Launcher:
+    """``kernel[grid](*args, **constexprs, **options)`` bound once, cheap to call again (see the Note)."""
+
+    __slots__ = ("kernel", "grid", "constexprs", "options", "compiled", "device")
+
+    def __init__(self, kernel, grid, constexprs: dict, *, device: int | None = None, **options):
+        if list(constexprs) != kernel.arg_names[len(kernel.arg_names) - len(constexprs):]:
+            raise ValueError(f"constexprs of {kernel.__name__} must be its trailing parameters in order")
+        self.kernel = kernel
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.constexprs = constexprs
+        self.options = options
+        self.compiled = None
+        self.device = device  # CUDA device index of the tensors (None: the interpreter)
+
+    def __call__(self, *args) -> None:
+        compiled = self.compiled
+        if self.device is None:  # the interpreter
+            self.kernel[self.grid](*args, **self.constexprs, **self.options)
+            return
+        if torch.cuda.current_device() != self.device:
+            with torch.cuda.device(self.device):
+                return self(*args)
+        if compiled is None:
+            self.compiled = self.kernel[self.grid](*args, **self.constexprs, **self.options)
+            return
+        from triton import knobs
+
+        rt = knobs.runtime
+        if rt.launch_enter_hook is not None or rt.launch_exit_hook is not None:  # profilers see the usual path
+            compiled[self.grid](*args, *self.constexprs.values())
+            return
+        stream = torch._C._cuda_getCurrentRawStream(self.device)
+        compiled.run(*self.grid, stream, compiled.function, compiled.packed_metadata, None, None, None,
+                     *args, *self.constexprs.values())
+
+
+_CACHE: dict = {}
 
 
 def launch(kernel, grid, args: tuple, constexprs: dict, **options) -> None:
-    """``kernel[grid](*args, **constexprs, **options)``, reusing the compiled kernel when the key matches.
+    """``kernel[grid](*args, **constexprs, **options)`` through a :class:`Launcher` cached under the
+    arguments' specialisation, the grid, the constexprs and the options.
 
     ``constexprs`` must name the kernel's trailing parameters in signature order.
     """
     if os.environ.get("TRITON_INTERPRET") == "1":
         kernel[grid](*args, **constexprs, **options)
         return
-    key = _key(kernel, args, constexprs, options)
-    compiled = _CACHE.get(key)
-    if compiled is None:
-        if list(constexprs) != kernel.arg_names[len(args):]:
-            raise ValueError(f"constexprs of {kernel.__name__} must follow its signature order")
-        _CACHE[key] = kernel[grid](*args, **constexprs, **options)
-        return
-    compiled[tuple(grid) + (1,) * (3 - len(grid))](*args, *constexprs.values())
+    device = torch.cuda.current_device()
+    key = (kernel, device, tuple(grid), specialization(args), *constexprs.values(), *options.values())
+    runner = _CACHE.get(key)
+    if runner is None:
+        runner = _CACHE[key] = Launcher(kernel, grid, constexprs, device=device, **options)
+    runner(*args)

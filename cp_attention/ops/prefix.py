@@ -25,21 +25,20 @@ natural log), an empty range giving the empty state (o = 0, lse = -inf). The spl
 are then merged with the merge kernel (``merge.py``); every workspace row of every slot is written, so
 the workspace needs no initialisation.
 """
-import torch
 import triton
 import triton.language as tl
 
 from .._dispatch import next_pow2
 from ._dot import dot_flags
 from ._launch import launch
-from ._state import LN2, LOG2E, attend_tiles, split_range
+from ._state import LOG2E, attend_tiles, split_range
 
 
 @triton.jit
 def _prefix_kernel(
     Q, K, V, SEQ_LENS, PERM, TILES, O_PART, LSE_PART,
     sm_scale, T_MAX, TILES_PER_SPLIT, N_ROWS,
-    stride_qb, stride_qh,
+    stride_sl, stride_qb, stride_qh,
     stride_ks, stride_kh, stride_kt,
     stride_vs, stride_vh, stride_vt,
     stride_os, stride_or, stride_ls,
@@ -62,8 +61,8 @@ def _prefix_kernel(
         i_seg = 0
         row0 = i_t * BLOCK_M
         n_rows = N_ROWS - row0
-    seq_len, chunk, t_start, t_end = split_range(SEQ_LENS, i_seg, i_s, T_MAX, TILES_PER_SPLIT, BLOCK_N,
-                                                 HAS_SEQ_LENS)
+    seq_len, chunk, t_start, t_end = split_range(SEQ_LENS, stride_sl, i_seg, i_s, T_MAX, TILES_PER_SPLIT,
+                                                 BLOCK_N, HAS_SEQ_LENS)
     t_end = tl.where(n_rows > 0, t_end, t_start)  # a padding tile reads nothing
 
     o_m = tl.arange(0, BLOCK_M)
@@ -84,14 +83,14 @@ def _prefix_kernel(
 
     p_k = K + i_seg * stride_ks + i_h64 * stride_kh
     p_v = V + i_seg * stride_vs + i_h64 * stride_vh
-    b_o, b_lse2 = attend_tiles(b_q, p_k, p_v, stride_kt, stride_vt, t_start, t_end, qk_scale, o_d, m_d,
+    b_o, b_lse = attend_tiles(b_q, p_k, p_v, stride_kt, stride_vt, t_start, t_end, qk_scale, o_d, m_d,
                                BLOCK_M, BLOCK_N, BLOCK_D, INPUT_PRECISION, UPCAST)
 
     o_out = o_req * n_hq + o_hq  # workspace row: request * Hq + query head
     i_s64 = i_s.to(tl.int64)
     p_o = O_PART + i_s64 * stride_os + o_out[:, None] * stride_or + o_d[None, :]
     tl.store(p_o, b_o, mask=m_md)
-    tl.store(LSE_PART + i_s64 * stride_ls + o_out, b_lse2 * LN2, mask=m_m)
+    tl.store(LSE_PART + i_s64 * stride_ls + o_out, b_lse, mask=m_m)
 
 
 # Realistic sm_90 compiles of this file's kernel (bf16, D = 128, Hq/Hkv = 4), checked by tests/test_aot.py.
@@ -110,49 +109,31 @@ AOT_SPECS = [
 ]
 
 
-def default_config(head_dim: int, dtype: torch.dtype, rows_per_segment: int) -> tuple:
-    """Tile config ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for segments read by about
-    ``rows_per_segment`` query rows (requests × query heads per KV head).
-
-    ``BLOCK_M`` is 128 (two warpgroups of ``wgmma`` on sm_90) when there are rows enough, else the next
-    power of two down to 16 (the smallest ``tl.dot`` tile).
-    """
-    block_m = min(128 if head_dim <= 128 else 64, max(16, next_pow2(max(rows_per_segment, 1))))
-    num_warps = 8 if block_m == 128 else 4
-    if dtype == torch.float32:
-        return (block_m, 32, num_warps, 2)
-    if head_dim <= 64:
-        return (block_m, 128, num_warps, 3)
-    if head_dim <= 128:
-        return (block_m, 64, num_warps, 3)
-    return (block_m, 32, num_warps, 2)
-
-
-def prefix_attention(q, k, v, seq_lens, perm, tiles, o_part, lse_part, *, sm_scale, n_tiles, num_splits,
-                     tiles_per_split, config):
+def prefix_attention(q, k, v, seq_lens, perm, tiles, o_part, lse_part, *, sm_scale, plan):
     """Launch the shared-segment kernel; inputs were validated by :func:`cp_attention.cascade_decode`.
 
     ``q [B, Hq, D]``; ``k``/``v [S, Hkv, T, D]`` (unit stride in D); ``seq_lens [S]`` or ``None``;
     ``perm [B]`` int64 (segment-sorted position -> request) and ``tiles [n_tiles, 3]`` int32, or both
-    ``None`` when the level has one segment read by every request. Writes ``o_part [num_splits, B * Hq, D]``
-    float32 and ``lse_part [num_splits, B * Hq]`` float32 (natural log), unit stride in D.
+    ``None`` when the level has one segment read by every request; ``plan`` a
+    :class:`cp_attention.heuristics.PrefixPlan`. Writes ``o_part [num_splits, B * Hq, D]`` float32 and
+    ``lse_part [num_splits, B * Hq]`` float32 (natural log), unit stride in D.
     """
     batch, hq, head_dim = q.shape
     hkv, t_max = k.shape[1], k.shape[2]
-    block_m, block_n, num_warps, num_stages = config
+    cfg = plan.config
     has_segments = tiles is not None
     launch(
-        _prefix_kernel, (n_tiles, num_splits, hkv),
+        _prefix_kernel, (plan.n_tiles, plan.num_splits, hkv),
         (q, k, v, seq_lens if seq_lens is not None else q, perm if has_segments else q,
          tiles if has_segments else q, o_part, lse_part,
-         float(sm_scale), t_max, tiles_per_split, batch * (hq // hkv),
-         q.stride(0), q.stride(1),
+         float(sm_scale), t_max, plan.tiles_per_split, batch * (hq // hkv),
+         seq_lens.stride(0) if seq_lens is not None else 0, q.stride(0), q.stride(1),
          k.stride(0), k.stride(1), k.stride(2),
          v.stride(0), v.stride(1), v.stride(2),
          o_part.stride(0), o_part.stride(1), lse_part.stride(0)),
         dict(GROUP_SIZE=hq // hkv, HEAD_DIM=head_dim,
-             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(head_dim),
+             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=next_pow2(head_dim),
              HAS_SEQ_LENS=seq_lens is not None, HAS_SEGMENTS=has_segments,
              **dot_flags(q.dtype)),
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

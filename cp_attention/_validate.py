@@ -1,0 +1,97 @@
+"""Argument checks shared by every public function: each raises ``TypeError``/``ValueError`` naming the
+argument and what was expected, before any kernel runs."""
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from ._constants import FLOAT_DTYPES, INDEX_DTYPES
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def check_tensor(name: str, t, *, dtypes=None, ndim=None, device=None) -> None:
+    """``t`` is a tensor with a dtype in ``dtypes``, ``ndim`` dims and on ``device`` (each if given)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        allowed = ", ".join(_dtype_name(d) for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({allowed}), got {_dtype_name(t.dtype)}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+
+
+def check_unit_stride(name: str, t: torch.Tensor) -> None:
+    """The last dim of ``t`` is contiguous (the kernels load rows of ``D`` with 16-byte accesses)."""
+    if t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dim (stride 1), got strides {t.stride()}")
+
+
+def check_head_dim(d: int, name: str = "q") -> None:
+    if d % 8 != 0 or not 32 <= d <= 256:
+        raise ValueError(f"{name} head dim must be a multiple of 8 in [32, 256], got {d}")
+
+
+def check_index_tensor(name: str, t, length: int, device, *, lo: int, hi: int, hi_name: str) -> None:
+    """An int32/int64 vector of ``length`` on ``device``; for host tensors its values lie in ``[lo, hi]``.
+
+    On the GPU a value check would need a host sync, so the kernels clamp the values instead.
+    """
+    check_tensor(name, t, dtypes=INDEX_DTYPES, ndim=1, device=device)
+    if t.shape[0] != length:
+        raise ValueError(f"{name} must have shape [{length}], got {tuple(t.shape)}")
+    if not t.is_cuda and t.numel() > 0:
+        vmin, vmax = int(t.min()), int(t.max())
+        if vmin < lo or vmax > hi:
+            raise ValueError(f"{name} must lie in [{lo}, {hi}] ({hi_name}), got values in [{vmin}, {vmax}]")
+
+
+def check_sm_scale(sm_scale) -> None:
+    if sm_scale is not None and (not isinstance(sm_scale, numbers.Real) or isinstance(sm_scale, bool)
+                                 or not math.isfinite(sm_scale)):
+        raise TypeError(f"sm_scale must be a finite real number or None, got {sm_scale!r}")
+
+
+def resolve_sm_scale(sm_scale, head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+
+
+def check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
+def check_int(name: str, value, lo: int, hi: int | None = None) -> int:
+    """A Python int (not a bool) in ``[lo, hi]``."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        expected = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{name} must be {expected}, got {value}")
+    return int(value)
+
+
+def check_kv_layout(kv_layout) -> None:
+    if kv_layout not in ("HND", "NHD"):
+        raise ValueError(f"kv_layout must be 'HND' or 'NHD', got {kv_layout!r}")
+
+
+def check_state(name: str, state) -> None:
+    """An attention state ``(o [..., D] float, lse [...] float32)`` on one device."""
+    if not isinstance(state, tuple) or len(state) != 2:
+        raise TypeError(f"{name} must be an AttentionState (o, lse), got {type(state).__name__}")
+    check_state_tensors(state[0], state[1], f"{name}.o", f"{name}.lse")
+
+
+def check_state_tensors(o, lse, o_name: str, lse_name: str) -> None:
+    check_tensor(o_name, o, dtypes=FLOAT_DTYPES)
+    check_tensor(lse_name, lse, dtypes=(torch.float32,), device=o.device)
+    if o.dim() < 1 or tuple(lse.shape) != tuple(o.shape[:-1]):
+        raise ValueError(f"{lse_name} must have shape {tuple(o.shape[:-1])} (= {o_name}.shape[:-1]), "
+                         f"got {tuple(lse.shape)}")

@@ -1,0 +1,67 @@
+"""The planning module: the FA2 rule reproduces seed 002's table; the tuned policies give exact,
+shape-only plans (the values the benchmarks in benchmarks/NOTES.md were measured with)."""
+import math
+
+import pytest
+import torch
+
+from cp_attention.heuristics import (REFERENCE_SMS, DecodeConfig, PrefixConfig, decode_config, decode_plan,
+                                     num_sms, num_splits, prefix_config, prefix_num_splits, prefix_plan)
+
+
+def test_fa2_split_table():
+    # Seed 002 section 6: 132 SMs, slots = 2 * SMs, BLOCK_N = 128.
+    rows = [(1, 8, 128_000), (1, 32, 32_000), (4, 8, 8_000), (16, 8, 4_000), (64, 32, 2_000), (1, 8, 300)]
+    got = [num_splits(b * h, 2 * 132, math.ceil(t / 128)) for b, h, t in rows]
+    assert got == [29, 7, 7, 2, 1, 3]
+
+
+def test_num_sms_of_a_cpu_device_is_the_reference():
+    assert num_sms(torch.device("cpu")) == REFERENCE_SMS == 132
+
+
+def test_decode_configs():
+    assert decode_config(128, torch.bfloat16) == DecodeConfig(128, 4, 3)
+    assert decode_config(256, torch.float16) == DecodeConfig(64, 4, 2)
+    assert decode_config(64, torch.float32) == DecodeConfig(64, 4, 2)
+    assert DecodeConfig(128, 4, 3).programs_per_sm(128, torch.bfloat16) == 1  # 192 KB of K/V stages
+    assert DecodeConfig(64, 4, 3).programs_per_sm(128, torch.bfloat16) == 2
+
+
+# (B, Hkv, T_max, D, dtype) -> (splits, tiles per split) on 132 SMs.
+DECODE_PLANS = [
+    ((1, 8, 131072, 128, torch.bfloat16), (16, 64)),   # one wave: 128 programs
+    ((1, 8, 1 << 20, 128, torch.bfloat16), (16, 512)),
+    ((4, 8, 32768, 128, torch.bfloat16), (4, 64)),
+    ((16, 8, 32768, 128, torch.bfloat16), (1, 256)),    # 128 work items fill the machine
+    ((64, 8, 4096, 128, torch.bfloat16), (1, 32)),
+    ((1, 8, 2048, 128, torch.bfloat16), (8, 2)),        # no split gets fewer than two tiles
+    ((1, 8, 64, 128, torch.bfloat16), (1, 1)),          # one tile: nothing to split
+    ((0, 8, 4096, 128, torch.bfloat16), (1, 32)),       # an empty batch
+]
+
+
+@pytest.mark.parametrize("args,want", DECODE_PLANS, ids=[f"B{a[0]}-Hkv{a[1]}-T{a[2]}" for a, _ in DECODE_PLANS])
+def test_decode_plan(args, want):
+    plan = decode_plan(*args, 132)
+    assert (plan.num_splits, plan.tiles_per_split) == want
+    n_tiles = math.ceil(args[2] / plan.config.block_n) if args[2] else 1
+    assert plan.num_splits * plan.tiles_per_split >= n_tiles > (plan.num_splits - 1) * plan.tiles_per_split
+
+
+def test_decode_plan_fixed_splits_are_capped_and_exact():
+    plan = decode_plan(2, 2, 1000, 64, torch.float32, 132, 1000)  # more splits than the 16 tiles of 64
+    assert (plan.num_splits, plan.tiles_per_split) == (16, 1)
+    plan = decode_plan(2, 2, 1000, 64, torch.float32, 132, 3)      # 16 tiles in splits of 6: 6 + 6 + 4
+    assert (plan.num_splits, plan.tiles_per_split) == (3, 6)
+
+
+def test_prefix_policy():
+    assert prefix_num_splits(32, 512, 132) == 4    # B = 128, GROUP = 4, BLOCK_M = 128, Hkv = 8, 32k tokens
+    assert prefix_num_splits(8, 256, 132) == 16    # B = 32, 16k tokens: 8 programs a split
+    assert prefix_num_splits(1, 3, 132) == 1       # fewer than 4 tiles per split would be needed
+    assert prefix_config(128, torch.bfloat16, 512) == PrefixConfig(128, 64, 8, 3)
+    assert prefix_config(64, torch.bfloat16, 4).block_m == 16
+    assert prefix_config(256, torch.bfloat16, 512).block_m == 64
+    plan = prefix_plan(128, 4, 8, 1, 32768, 128, torch.bfloat16, 132)
+    assert (plan.n_tiles, plan.num_splits, plan.tiles_per_split) == (4, 4, 128)
