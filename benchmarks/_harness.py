@@ -1,74 +1,167 @@
-"""Shared timing and reporting for the benchmark scripts: medians from triton.testing.do_bench (L2 flushed
-before every call), eager and replayed from a CUDA graph; results as JSON + PNG under benchmarks/results/."""
+"""The one place for what every benchmark script shares: timing, CUDA-graph capture, the read ceiling,
+dtypes, tolerances, output comparison, the kernels a call launches, JSON results and the text table.
+
+Timing (all medians from ``triton.testing.do_bench``, which flushes the L2 with a 256 MB memset before
+every timed run):
+
+* **per call** (:func:`bench_call`): one eager ``fn()`` per timed run. Host time that fits under the
+  preceding flush is hidden, so this is close to GPU time unless the host path is slower than the flush.
+* **graph** (:func:`bench_graph`): :data:`GRAPH_CALLS` calls of ``fn`` captured in one
+  ``torch.cuda.CUDAGraph`` (:func:`capture`), one replay per timed run, divided by :data:`GRAPH_CALLS`.
+  The L2 is flushed before each replay only: within a replay, calls after the first find in the L2
+  whatever of their inputs it still holds (all of it when K+V is below the L2 size, ``l2_MB`` in
+  :func:`environment`).
+
+Profile last: after a torch.profiler session every later kernel launch of the process costs more host
+time (H200, torch 2.11: an eager SDPA call went from 17 to 46 µs), so :func:`gpu_activity` and
+:func:`kernel_names` run after all the timings of a script.
+"""
 from __future__ import annotations
 
+import datetime
 import json
+import math
 import platform
-import time
+import subprocess
+from importlib import metadata
 from pathlib import Path
 
 import torch
+import triton
+import triton.testing
+from tqdm import tqdm  # noqa: F401  (the progress bar of every script)
 
 RESULTS = Path(__file__).resolve().parent / "results"
-READ_CEILING_TBS = 4.47  # measured HBM read ceiling of the H200 (Triton streaming read, 4 GB)
+READ_CEILING_TBS = 4.47  # H200 HBM read ceiling measured with a Triton streaming read (4 GB)
+CUDNN_READ_TBS = 4.54  # what cuDNN's decode kernel (torch SDPA default) reaches at B=1, T=1M
+GRAPH_CALLS = 20  # calls captured in one CUDA graph by bench_graph
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
+# Largest max |o - o_cp_attention| counted as agreement, by the dtype of the compared cache (bf16 as the
+# tests' tolerance against the float64 oracle; fp8 includes the quantization error of the peer's cache).
+TOLERANCES = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2, torch.float8_e4m3fn: 1e-1}
 
 
-def bench_eager(fn, rep_ms: int = 100) -> float:
-    """Median µs of ``fn()``."""
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median") * 1e3
+def bench_call(fn, warmup: int = 25, rep: int = 100) -> float:
+    """Median µs of one eager ``fn()`` (L2 flushed before each)."""
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median") * 1e3
 
 
-def capture(fn):
-    """Capture ``fn()`` (warmed up on a side stream) into a CUDA graph; returns the graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
+def capture(fn, calls: int = 1) -> torch.cuda.CUDAGraph:
+    """A CUDA graph holding ``calls`` back-to-back calls of ``fn``, captured after three warm-up calls on a
+    side stream (lazy initialisation and JIT compiles happen there, outside the graph)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
         for _ in range(3):
             fn()
-    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
     torch.cuda.synchronize()
-    return g
+    return graph
 
 
-def bench_graph(fn, rep_ms: int = 100) -> float:
-    """Median µs of one replay of a CUDA graph holding ``fn()``."""
-    g = capture(fn)
-    return bench_eager(g.replay, rep_ms)
+def bench_graph(fn, calls: int = GRAPH_CALLS, warmup: int = 25, rep: int = 100) -> float:
+    """Median µs per call of ``fn`` replayed from a graph of ``calls`` calls (L2 flushed before each replay)."""
+    graph = capture(fn, calls)
+    us = bench_call(graph.replay, warmup, rep) / calls
+    del graph
+    torch.cuda.empty_cache()
+    return us
+
+
+def tbs(nbytes: float, us: float) -> float:
+    """TB/s of ``nbytes`` moved in ``us`` µs."""
+    return nbytes / us / 1e6
+
+
+def max_abs_diff(out: torch.Tensor, ref: torch.Tensor) -> float | str:
+    """max |out - ref| over ``ref``'s shape, or ``"non-finite"`` when ``out`` holds a NaN or an inf."""
+    out = out.reshape(ref.shape).float()
+    if not torch.isfinite(out).all():
+        return "non-finite"
+    return float((out - ref.float()).abs().max())
+
+
+def gpu_activity(fn, calls: int = 1) -> list[tuple[str, float, float]]:
+    """``(name, start µs, duration µs)`` of every GPU activity (kernels, memsets, copies) that ``calls``
+    eager calls of ``fn`` launch, in start order, from a torch.profiler trace (``fn`` runs once first).
+    Slows every later launch of the process: call it after the timings (module docstring)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    events = [(e.name, e.time_range.start, e.time_range.elapsed_us()) for e in prof.events()
+              if e.device_type == DeviceType.CUDA]
+    return sorted(events, key=lambda e: e[1])
+
+
+def kernel_names(fn) -> list[str]:
+    """Names of the GPU kernels (and memsets/copies) one eager call of ``fn`` launches, in order."""
+    return [name for name, _, _ in gpu_activity(fn)]
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=RESULTS.parent, capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() or None
 
 
 def environment() -> dict:
-    env = {"torch": torch.__version__, "python": platform.python_version(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    env = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "python": platform.python_version(),
+           "torch": torch.__version__, "triton": triton.__version__, "git_commit": git_commit()}
     try:
-        import triton
-
-        env["triton"] = triton.__version__
-    except ImportError:
+        env["flashinfer"] = metadata.version("flashinfer-python")
+    except metadata.PackageNotFoundError:
         pass
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
-        env.update(gpu=p.name, sms=p.multi_processor_count, gpus=torch.cuda.device_count())
+        env.update(gpu=p.name, sms=p.multi_processor_count, gpus=torch.cuda.device_count(),
+                   memory_GB=round(p.total_memory / 1e9, 1))
+        l2 = getattr(p, "L2_cache_size", None)
+        if l2:
+            env["l2_MB"] = round(l2 / 2**20, 1)
     return env
 
 
 def write_json(name: str, payload: dict) -> Path:
+    """``benchmarks/results/<name>.json``: ``{"environment": ..., **payload}``."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps({"environment": environment(), **payload}, indent=1))
+    path.write_text(json.dumps({"environment": environment(), **payload}, indent=1, default=str))
     return path
 
 
-def table(rows: list[dict], cols: list[str]) -> str:
-    """A plain fixed-width table of ``rows`` (dicts) over ``cols``."""
-    def fmt(x):
-        return f"{x:.1f}" if isinstance(x, float) else str(x)
+def fmt(x) -> str:
+    """A table cell: floats with 3 significant digits below 10, one decimal above."""
+    if x is None:
+        return ""
+    if isinstance(x, float):
+        if not math.isfinite(x):
+            return str(x)
+        return f"{x:.3g}" if abs(x) < 10 else f"{x:.1f}"
+    return str(x)
 
-    widths = [max(len(c), *(len(fmt(r.get(c, ""))) for r in rows)) for c in cols]
+
+def table(rows: list[dict], cols: list[str]) -> str:
+    """A fixed-width text table of ``rows`` (dicts) over the columns of ``cols`` that some row has."""
+    cols = [c for c in cols if any(c in r for r in rows)]
+    cells = [[fmt(r.get(c)) for c in cols] for r in rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(cols)]
     lines = ["  ".join(c.rjust(w) for c, w in zip(cols, widths))]
-    lines += ["  ".join(fmt(r.get(c, "")).rjust(w) for c, w in zip(cols, widths)) for r in rows]
+    lines += ["  ".join(x.rjust(w) for x, w in zip(row, widths)) for row in cells]
     return "\n".join(lines)

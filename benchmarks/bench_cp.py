@@ -1,21 +1,23 @@
 """Context-parallel decode over W GPUs against single-GPU flash_decode on the whole cache.
 
-    torchrun --nproc-per-node=2 benchmarks/bench_cp.py
-    torchrun --nproc-per-node=2 benchmarks/bench_cp.py --batches 1 --contexts 131072 1048576 --tree
-    torchrun --nproc-per-node=4 benchmarks/bench_cp.py --name bench_cp_w4
-    torchrun --nproc-per-node=2 benchmarks/bench_cp.py --device cpu --contexts 1024 4096   # smoke test
+    torchrun --standalone --nproc-per-node=2 benchmarks/bench_cp.py
+    torchrun --standalone --nproc-per-node=2 benchmarks/bench_cp.py --batches 1 --contexts 131072 1048576 --tree
+    torchrun --standalone --nproc-per-node=4 benchmarks/bench_cp.py --name bench_cp_w4
+    torchrun --standalone --nproc-per-node=2 benchmarks/bench_cp.py --device cpu --contexts 1024 4096   # smoke test
 
 bf16, Hq=32, Hkv=8, D=128 (options change them); B in --batches, T in --contexts. Per shape, median µs:
 ``single``: flash_decode over the whole cache of T tokens on rank 0 alone (skipped when the cache would not
 fit in --max-gb); ``cp``: cp_flash_decode over W ranks holding T/W tokens each (contiguous placement),
 split into ``local`` (flash_decode on the shard) and ``merge`` (merge_across_ranks alone); ``tree`` (with
 --tree): the merge done Tree-Attention style instead (all-reduce MAX of the lse, then one all-reduce SUM
-of the rescaled numerators and denominators). Each eager and replayed from a CUDA graph (captured after
-warm-up on a side stream). speedup = single / cp. Times are taken on every rank after a barrier; rank 0's
-are reported. Single-rank timings use triton.testing.do_bench; timings with collectives use the same
-method (L2 flush, CUDA events per call, median) with one iteration count agreed by all ranks, since
-do_bench picks its own count per process and collectives must match. --device cpu runs the same code
-over gloo (eager only, wall-clock medians) to check the script without GPUs.
+of the rescaled numerators and denominators). Each per call (eager) and per call in a CUDA graph of 20
+calls (``capture`` of benchmarks/_harness.py: warm-up on a side stream, then the calls captured in one
+graph; the replay time is divided by the number of calls, --graph-calls). speedup = single / cp. Times
+are taken on every rank after a barrier; rank 0's are reported. Single-rank timings use the harness's
+``bench_call`` (triton.testing.do_bench median, L2 flushed before each call); timings with collectives
+use the same method (L2 flush, CUDA events per call, median) with one iteration count agreed by all
+ranks, since do_bench picks its own count per process and collectives must match. --device cpu runs the
+same code over gloo (eager only, wall-clock medians) to check the script without GPUs.
 Writes benchmarks/results/<name>.json and <name>.png (default name: bench_cp).
 """
 import os
@@ -35,18 +37,12 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._harness import RESULTS, capture, table, write_json  # noqa: E402
-from cp_attention import flash_decode  # noqa: E402
+from benchmarks._harness import (  # noqa: E402
+    DTYPES, GRAPH_CALLS, RESULTS, bench_call, capture, max_abs_diff, table, tqdm, write_json,
+)
+from cp_attention import AttentionState, flash_decode  # noqa: E402
 from cp_attention.distributed import cp_flash_decode, merge_across_ranks  # noqa: E402
-from cp_attention.state import AttentionState, normalize, unnormalize  # noqa: E402
 
-try:
-    from tqdm import tqdm
-except ImportError:  # the bar is a nicety
-    def tqdm(it, **_):
-        return it
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 PARTS = ("local", "merge", "cp")
 
 
@@ -57,11 +53,12 @@ def parse_args(argv=None):
     p.add_argument("--heads-q", type=int, default=32)
     p.add_argument("--heads-kv", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--max-gb", type=float, default=120.0, help="largest K+V cache one GPU may hold")
     p.add_argument("--rep-ms", type=int, default=100, help="timed milliseconds per measurement")
     p.add_argument("--tree", action="store_true", help="also time the Tree-Attention style merge")
-    p.add_argument("--no-graph", action="store_true", help="eager only")
+    p.add_argument("--no-graph", action="store_true", help="per call (eager) only")
+    p.add_argument("--graph-calls", type=int, default=GRAPH_CALLS, help="calls captured in one CUDA graph")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--name", default="bench_cp", help="results file stem under benchmarks/results/")
     p.add_argument("--timeout-s", type=int, default=1800, help="process-group timeout")
@@ -85,10 +82,13 @@ def tree_merge(state, group=None) -> AttentionState:
     o, lse = state
     m = lse.clone()
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-    num, den = unnormalize(o, lse, m)
-    buf = torch.cat([num, den.unsqueeze(-1)], dim=-1)
+    m = torch.where(m == float("-inf"), torch.zeros_like(m), m)  # every rank empty: weights exp(-inf) = 0
+    w = torch.exp(lse - m).unsqueeze(-1)
+    buf = torch.cat([w * o.float(), w], dim=-1)
     dist.all_reduce(buf, group=group)
-    return normalize(buf[..., :-1], buf[..., -1], m, o.dtype)
+    num, den = buf[..., :-1], buf[..., -1:]
+    out = num / torch.where(den > 0, den, torch.ones_like(den))
+    return AttentionState(out.to(o.dtype), m + torch.log(den.squeeze(-1)))
 
 
 class Timer:
@@ -102,9 +102,7 @@ class Timer:
         if self.device.type == "cpu":
             return self._wall_clock(fn, collective)
         if not collective:
-            import triton.testing
-
-            return triton.testing.do_bench(fn, warmup=25, rep=self.rep_ms, return_mode="median") * 1e3
+            return bench_call(fn, rep=self.rep_ms)
         fn()
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -144,20 +142,22 @@ class Timer:
         return statistics.median(times) * 1e6
 
 
-def _timings(row, prefix, fn, timer, collective, graphs):
-    """``row[prefix_eager_us]`` and, with ``graphs``, ``row[prefix_graph_us]`` (the graph is freed after)."""
-    row[f"{prefix}_eager_us"] = timer(fn, collective)
-    if graphs:
-        graph = capture(fn)
-        row[f"{prefix}_graph_us"] = timer(graph.replay, collective)
+def timings(row, prefix, fn, timer, collective, graph_calls):
+    """``row[prefix_call_us]`` and, with ``graph_calls`` > 0, ``row[prefix_graph_us]``: per call in a graph of
+    ``graph_calls`` calls (the graph is freed after)."""
+    row[f"{prefix}_call_us"] = timer(fn, collective)
+    if graph_calls:
+        graph = capture(fn, graph_calls)
+        row[f"{prefix}_graph_us"] = timer(graph.replay, collective) / graph_calls
         del graph
+        torch.cuda.empty_cache()
 
 
 def measure(args, batch, context, timer, device):
     """One shape: the single-GPU baseline on rank 0, then the CP parts on every rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
     dtype, hq, hkv, d = DTYPES[args.dtype], args.heads_q, args.heads_kv, args.head_dim
-    graphs = device.type == "cuda" and not args.no_graph
+    graph_calls = args.graph_calls if device.type == "cuda" and not args.no_graph else 0
     row = {"batch": batch, "context": context, "world": world, "single_gb": round(cache_gb(batch, context, args), 2)}
     gen = torch.Generator(device).manual_seed(0)
     q = torch.randn(batch, hq, d, generator=gen, device=device, dtype=dtype)
@@ -166,7 +166,7 @@ def measure(args, batch, context, timer, device):
         if rank == 0:
             k = torch.empty(batch, hkv, context, d, device=device, dtype=dtype).normal_(generator=gen)
             v = torch.empty_like(k).normal_(generator=gen)
-            _timings(row, "single", lambda: flash_decode(q, k, v), timer, False, graphs)
+            timings(row, "single", lambda: flash_decode(q, k, v), timer, False, graph_calls)
             del k, v
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -193,11 +193,11 @@ def measure(args, batch, context, timer, device):
     if args.tree:
         parts["tree"] = (lambda: tree_merge(state), True)
         ref = merge_across_ranks(state)
-        row["tree_max_err"] = (tree_merge(state).o.float() - ref.o.float()).abs().max().item()
+        row["tree_maxdiff"] = max_abs_diff(tree_merge(state).o, ref.o)
     for name, (fn, collective) in parts.items():
-        _timings(row, name, fn, timer, collective, graphs)
+        timings(row, name, fn, timer, collective, graph_calls)
     del ks, vs, state
-    for mode in ("eager", "graph"):
+    for mode in ("call", "graph"):
         if f"single_{mode}_us" in row and f"cp_{mode}_us" in row:
             row[f"speedup_{mode}"] = row[f"single_{mode}_us"] / row[f"cp_{mode}_us"]
     if device.type == "cuda":
@@ -214,11 +214,11 @@ def plot(rows, args, world, path):
     fig, (ax_s, ax_t) = plt.subplots(1, 2, figsize=(13, 4.8))
     for b in args.batches:
         mine = [r for r in rows if r["batch"] == b]
-        for mode, style in (("eager", "--"), ("graph", "-")):
+        for mode, style in (("call", "--"), ("graph", "-")):
             pts = [(r["context"], r[f"speedup_{mode}"]) for r in mine if f"speedup_{mode}" in r]
             if pts:
                 ax_s.plot(*zip(*pts), style, marker="o", label=f"B={b} {mode}")
-        mode = "eager" if args.no_graph or all("cp_graph_us" not in r for r in mine) else "graph"
+        mode = "call" if args.no_graph or all("cp_graph_us" not in r for r in mine) else "graph"
         for part, style in (("local", "-"), ("merge", ":")):
             pts = [(r["context"], r[f"{part}_{mode}_us"]) for r in mine if f"{part}_{mode}_us" in r]
             if pts:
@@ -256,13 +256,12 @@ def main(argv=None):
             rows.append(measure(args, b, t, timer, device))
         if rank == 0:
             cols = ["batch", "context", "single_gb"] + [f"{p}_{m}_us" for p in ("single",) + PARTS
-                                                        for m in ("eager", "graph")]
-            cols += ["speedup_eager", "speedup_graph", "tree_eager_us", "tree_graph_us"]
-            print(table(rows, [c for c in cols if any(c in r for r in rows)]))
+                                                        for m in ("call", "graph")]
+            cols += ["speedup_call", "speedup_graph", "tree_call_us", "tree_graph_us"]
             for r in rows:
-                if "tree_max_err" in r:
-                    print(f"B={r['batch']} T={r['context']}: tree merge max |o diff| vs merge_across_ranks "
-                          f"{r['tree_max_err']:.2e}")
+                if "tree_maxdiff" in r:
+                    print(f"B={r['batch']} T={r['context']}: tree merge max |o - o_merge_across_ranks| "
+                          f"{r['tree_maxdiff']}")
                 for what in ("single", "cp"):
                     if f"{what}_skipped" in r:
                         print(f"B={r['batch']} T={r['context']}: {what} skipped: {r[f'{what}_skipped']}")
@@ -270,6 +269,7 @@ def main(argv=None):
             png = RESULTS / f"{args.name}.png"
             plot(rows, args, world, png)
             print(f"wrote {path} and {png}")
+            print(table(rows, cols))
     finally:
         dist.destroy_process_group()
 

@@ -1,162 +1,305 @@
-"""Decode attention side by side on one GPU: cp_attention.flash_decode, torch SDPA (flash backend) and
-FlashInfer, eager and replayed from a CUDA graph; achieved TB/s of the KV read against the ceiling.
+"""Decode attention on one GPU, side by side: cp_attention.flash_decode, torch SDPA (default backend
+selection, and forced to the flash backend as a second line), FlashInfer 0.7.2's XQA kernel (page 64)
+and its FA2 tensor-core paged decode (page 16); optionally XQA on an FP8 e4m3 copy of the cache.
 
-    PYTHONPATH=. python benchmarks/bench_decode.py            # the full sweep of README's table
-    PYTHONPATH=. python benchmarks/bench_decode.py --batches 1 --contexts 131072
+bf16, Hq=32, Hkv=8, D=128 (``--dtype`` changes the dtype). Shapes: B in {1, 4, 16, 64} x T in {2k, 8k,
+32k, 128k}; B=1 at T in {512, 1k, 4k, 16k, 64k, 256k, 1M}; other head shapes (Hq, Hkv, D) in
+{(64, 8, 128), (28, 4, 128), (32, 8, 64), (16, 8, 256)} at B=1 T=128k and B=16 T=32k. ``--quick``: B=1
+T=8k, B=1 T=128k, B=16 T=32k, B=64 T=8k only.
 
-Writes benchmarks/results/bench_decode.json and bench_decode.png.
+Per implementation and shape: median µs per call (``triton.testing.do_bench``, L2 flushed before each
+call) and per call in a CUDA graph of 20 calls (L2 flushed before each replay: see benchmarks/_harness.py;
+a cache smaller than the L2 is then partly read from the L2); TB/s = K+V bytes of the implementation's
+cache / time; the graph TB/s as a fraction of the 4.47 TB/s read ceiling; max |o - o_cp_attention|; for
+the SDPA lines, the GPU kernels one call launches (which kernel torch picked); per shape, flash_decode's
+split count (cp_attention.heuristics.decode_plan). Peers that copy the cache into pages do so before
+timing and free it after; one that would not fit in free memory is skipped with the reason, one that
+fails records its error, and the other numbers stay.
+
+    PYTHONPATH=. python3 benchmarks/bench_decode.py        # all shapes; none started after --time-budget-s
+    PYTHONPATH=. python3 benchmarks/bench_decode.py --quick
+    PYTHONPATH=. python3 benchmarks/bench_decode.py --shapes 1x128k 64x8k --heads --impls cp_attention sdpa
+
+FlashInfer (0.7.2.post1 and apache-tvm-ffi wheels in .fi/, made by ../shared/tools/flashinfer_wheels.sh)
+is installed on the device first; without it the FlashInfer rows record the import error:
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .fi/*.whl && export PYTHONPATH=/tmp/site:. CUDA_HOME=/usr/local/cuda FLASHINFER_WORKSPACE_BASE=/tmp
+    python3 benchmarks/bench_decode.py --quick
+
+Writes benchmarks/results/<name>.json (after every shape) and <name>.png (TB/s against context, a panel
+per batch size and one for the other head shapes); the output ends with a compact table.
 """
 from __future__ import annotations
 
 import argparse
-import itertools
+import functools
+import gc
 import os
 import sys
+import time
+from typing import Callable, NamedTuple
 
 import torch
-import torch.nn.functional as F
-from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._harness import READ_CEILING_TBS, RESULTS, bench_eager, bench_graph, table, write_json  # noqa: E402
-from cp_attention import flash_decode  # noqa: E402
-from cp_attention.decode import _num_sms  # noqa: E402
-from cp_attention.heuristics import decode_num_splits  # noqa: E402
-from cp_attention.ops.merge import merge_states_into  # noqa: E402
-from cp_attention.ops.split_kv import default_config  # noqa: E402
+from benchmarks import peers  # noqa: E402
+from benchmarks._harness import (  # noqa: E402
+    CUDNN_READ_TBS, DTYPES, GRAPH_CALLS, READ_CEILING_TBS, RESULTS, TOLERANCES, bench_call, bench_graph, kernel_names,
+    max_abs_diff, table, tbs, tqdm, write_json,
+)
 
 
-def sdpa_fn(q, k, v):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    q4 = q.unsqueeze(2)
-
-    def run():
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-            return F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
-
-    return run
+class Impl(NamedTuple):
+    build: Callable  # (q, k, v) -> zero-argument callable computing o
+    copy: float = 0.0  # bytes of the implementation's own copy of the cache / K+V bytes of the dense cache
+    fp8: bool = False  # it reads an FP8 copy: half the bytes, the FP8 tolerance
+    kernels: bool = False  # record the kernels one call launches (which kernel SDPA picked), after the timings
 
 
-def flashinfer_fn(q, k, v, page_size=16):
-    """FlashInfer 0.5.0 on its own NHD copy of the cache: single decode for B = 1, else the paged wrapper."""
-    import flashinfer
-
-    b, hkv, t, d = k.shape
-    hq = q.shape[1]
-    if b == 1:
-        kn, vn = k[0].transpose(0, 1).contiguous(), v[0].transpose(0, 1).contiguous()
-        return lambda: flashinfer.single_decode_with_kv_cache(q[0], kn, vn, kv_layout="NHD")
-    pages = t // page_size
-    kp = k.transpose(1, 2).reshape(b * pages, page_size, hkv, d).contiguous()
-    vp = v.transpose(1, 2).reshape(b * pages, page_size, hkv, d).contiguous()
-    dev = q.device
-    indptr = torch.arange(b + 1, dtype=torch.int32, device=dev) * pages
-    indices = torch.arange(b * pages, dtype=torch.int32, device=dev)
-    last = torch.full((b,), page_size, dtype=torch.int32, device=dev)
-    ws = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
-    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-        ws, "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=indptr,
-        paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last)
-    w.plan(indptr, indices, last, hq, hkv, d, page_size, q_data_type=q.dtype, kv_data_type=k.dtype)
-    return lambda: w.run(q, (kp, vp))
+IMPLS = {
+    "cp_attention": Impl(peers.cp_attention),
+    "sdpa": Impl(peers.sdpa_default, kernels=True),
+    "sdpa_flash": Impl(peers.sdpa_flash, kernels=True),
+    "flashinfer_xqa": Impl(peers.flashinfer_xqa, copy=1.0),
+    "flashinfer_fa2": Impl(peers.flashinfer_fa2, copy=1.0),
+    "flashinfer_xqa_fp8": Impl(functools.partial(peers.flashinfer_xqa, fp8=True), copy=0.5, fp8=True),
+}
+DEFAULT_IMPLS = ["cp_attention", "sdpa", "sdpa_flash", "flashinfer_xqa", "flashinfer_fa2"]
+HEADS = (32, 8, 128)
+SHAPES = [f"{b}x{t}" for b in (1, 4, 16, 64) for t in ("2k", "8k", "32k", "128k")] + \
+    [f"1x{t}" for t in ("512", "1k", "4k", "16k", "64k", "256k", "1M")]
+QUICK_SHAPES = ["1x8k", "1x128k", "16x32k", "64x8k"]
+OTHER_HEADS = ["64,8,128", "28,4,128", "32,8,64", "16,8,256"]
+HEAD_SHAPES = ["1x128k", "16x32k"]
+MEMORY_MARGIN = 4 << 30  # free bytes left over after a peer's copy of the cache
 
 
-def combine_share(q, k, v, splits):
-    """Time the split kernel + a separate merge kernel, and the merge kernel alone, in µs."""
-    b, hq, d = q.shape
-    sep = bench_eager(lambda: flash_decode(q, k, v, num_splits=splits, _fuse_combine=False))
-    o_part = torch.randn(splits, b * hq, d, device=q.device)
-    lse_part = torch.randn(splits, b * hq, device=q.device)
-    o = torch.empty(b * hq, d, dtype=q.dtype, device=q.device)
-    lse = torch.empty(b * hq, device=q.device)
-    merge = bench_eager(lambda: merge_states_into(o_part, lse_part, o, lse))
-    return sep, merge
+def tokens(s: str) -> int:
+    """'512' -> 512, '8k' -> 8192, '1M' -> 1048576."""
+    mult = {"k": 1 << 10, "K": 1 << 10, "m": 1 << 20, "M": 1 << 20}.get(s[-1])
+    return int(s[:-1]) * mult if mult else int(s)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
-    ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768, 131072])
-    ap.add_argument("--extra", default="1x1048576", help="extra BxT shapes, comma separated ('' for none)")
-    ap.add_argument("--heads-q", type=int, default=32)
-    ap.add_argument("--heads-kv", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--impls", nargs="+", default=["cp_attention", "sdpa", "flashinfer"])
-    ap.add_argument("--name", default="bench_decode")
-    args = ap.parse_args()
+def tokens_str(t: int) -> str:
+    for unit, size in (("M", 1 << 20), ("k", 1 << 10)):
+        if t >= size and t % size == 0:
+            return f"{t // size}{unit}"
+    return str(t)
 
-    shapes = list(itertools.product(args.batches, args.contexts))
-    shapes += [tuple(map(int, s.split("x"))) for s in args.extra.split(",") if s]
-    dt, hq, hkv, d = torch.bfloat16, args.heads_q, args.heads_kv, args.head_dim
-    rows = []
-    for b, t in tqdm(shapes, desc="decode shapes"):
-        torch.manual_seed(0)
-        q = torch.randn(b, hq, d, device="cuda", dtype=dt)
-        k = torch.randn(b, hkv, t, d, device="cuda", dtype=dt)
-        v = torch.randn(b, hkv, t, d, device="cuda", dtype=dt)
-        nbytes = 2 * k.numel() * k.element_size()
-        splits = decode_num_splits(b, hkv, t, default_config(d, dt)[0], _num_sms(q.device))
-        row = {"B": b, "T": t, "MB": nbytes / 1e6, "splits": splits}
-        ref = None
-        for name in args.impls:
+
+def cases(args) -> list[dict]:
+    """Every shape to run: ``{"panel", "B", "T", "Hq", "Hkv", "D"}``."""
+    out = []
+    for s in args.shapes:
+        b, t = s.split("x")
+        out.append({"panel": f"B={int(b)}", "B": int(b), "T": tokens(t), "Hq": HEADS[0], "Hkv": HEADS[1],
+                    "D": HEADS[2]})
+    for h in args.heads:
+        hq, hkv, d = map(int, h.split(","))
+        for s in args.head_shapes:
+            b, t = s.split("x")
+            out.append({"panel": "other heads", "B": int(b), "T": tokens(t), "Hq": hq, "Hkv": hkv, "D": d})
+    return out
+
+
+def release():
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def measure(name, q, k, v, ref, row, kv_bytes, dtype):
+    """Build, check and time one implementation on one shape into ``row``; never raises."""
+    impl = IMPLS[name]
+    fn = None
+    try:
+        release()
+        need = impl.copy * kv_bytes + MEMORY_MARGIN
+        free = torch.cuda.mem_get_info(q.device)[0]
+        if impl.copy and need > free:
+            row[f"{name}_skipped"] = f"its copy of the cache needs {need / 1e9:.1f} GB, {free / 1e9:.1f} GB free"
+            return
+        fn = impl.build(q, k, v)
+        out = fn()
+        if ref is not None:
+            diff = row[f"{name}_maxdiff"] = max_abs_diff(out, ref)
+            row[f"{name}_ok"] = diff != "non-finite" and diff <= TOLERANCES[torch.float8_e4m3fn if impl.fp8 else dtype]
+        nbytes = kv_bytes / 2 if impl.fp8 else kv_bytes
+        for mode, bench in (("call", bench_call), ("graph", bench_graph)):
+            us = bench(fn)
+            row[f"{name}_{mode}_us"] = us
+            row[f"{name}_{mode}_TBs"] = tbs(nbytes, us)
+        row[f"{name}_graph_ceiling"] = row[f"{name}_graph_TBs"] / READ_CEILING_TBS
+    except Exception as e:  # a failing peer must not lose the other numbers
+        row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:400]
+        tqdm.write(f"[B={row['B']} T={row['T']} {row['heads']}] {name}: {row[f'{name}_error']}", file=sys.stderr)
+    finally:
+        del fn
+        release()
+
+
+def record_kernels(rows, impls, dtype):
+    """The kernels one call launches, for the implementations that ask (``Impl.kernels``), on every row's
+    shape (zero inputs: the choice depends on shapes only). Profiled after all the timings: a profiler
+    session slows every later launch of the process (benchmarks/_harness.py)."""
+    for r in rows:
+        for name in impls:
+            if not IMPLS[name].kernels:
+                continue
             try:
-                fn = {"cp_attention": lambda: (lambda: flash_decode(q, k, v)),
-                      "sdpa": lambda: sdpa_fn(q, k, v),
-                      "flashinfer": lambda: flashinfer_fn(q, k, v)}[name]()
-                out = fn().reshape(b, hq, d).float()
-                if ref is None:
-                    ref = out
-                row[f"{name}_maxdiff"] = float((out - ref).abs().max())
-                for mode, bench in (("eager", bench_eager), ("graph", bench_graph)):
-                    us = bench(fn)
-                    row[f"{name}_{mode}_us"] = us
-                    row[f"{name}_{mode}_TBs"] = nbytes / us / 1e6
-            except Exception as e:  # one failing peer must not lose the others' numbers
-                row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
-                print(f"[B={b} T={t}] {name} failed: {row[f'{name}_error']}", file=sys.stderr)
-            torch.cuda.empty_cache()
-        if splits > 1 and "cp_attention" in args.impls:
-            row["cp_separate_us"], row["merge_kernel_us"] = combine_share(q, k, v, splits)
-        rows.append(row)
-        del q, k, v
-        torch.cuda.empty_cache()
-
-    cfg = {"dtype": "bf16", "Hq": hq, "Hkv": hkv, "D": d, "read_ceiling_TBs": READ_CEILING_TBS}
-    path = write_json(args.name, {"config": cfg, "rows": rows})
-    cols = ["B", "T", "MB", "splits"] + [f"{n}_{m}_us" for m in ("eager", "graph") for n in args.impls] + \
-        ["cp_attention_graph_TBs", "cp_separate_us", "merge_kernel_us"]
-    print(table(rows, cols))
-    print(f"wrote {path}")
-    plot(rows, args.impls, args.name)
+                q = torch.zeros(r["B"], r["Hq"], r["D"], device="cuda", dtype=dtype)
+                k = torch.zeros(r["B"], r["Hkv"], r["T"], r["D"], device="cuda", dtype=dtype)
+                r[f"{name}_kernels"] = kernel_names(IMPLS[name].build(q, k, k))
+            except Exception as e:
+                r[f"{name}_kernels_error"] = f"{type(e).__name__}: {e}"[:400]
+            finally:
+                q = k = None
+                release()
 
 
-def plot(rows, impls, name):
+def run_case(case, args, dtype):
+    b, t, hq, hkv, d = case["B"], case["T"], case["Hq"], case["Hkv"], case["D"]
+    row = dict(case, heads=f"{hq}/{hkv}/{d}")
+    gen = torch.Generator("cuda").manual_seed(0)
+    q = torch.randn(b, hq, d, generator=gen, device="cuda", dtype=dtype)
+    k = torch.randn(b, hkv, t, d, generator=gen, device="cuda", dtype=dtype)
+    v = torch.randn(b, hkv, t, d, generator=gen, device="cuda", dtype=dtype)
+    kv_bytes = 2 * k.numel() * k.element_size()
+    row.update(KV_MB=kv_bytes / 1e6, splits=peers.cp_splits(q, k))
+    try:
+        ref = peers.cp_attention(q, k, v)().float()
+    except Exception as e:  # the peers still run, unchecked
+        ref, row["reference_error"] = None, f"{type(e).__name__}: {e}"[:400]
+    for name in args.impls:
+        measure(name, q, k, v, ref, row, kv_bytes, dtype)
+    del q, k, v, ref
+    release()
+    return row
+
+
+def plot(rows, impls, path):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    batches = sorted({r["B"] for r in rows})
-    fig, axes = plt.subplots(1, len(batches), figsize=(4.2 * len(batches), 3.8), sharey=True, squeeze=False)
-    for ax, b in zip(axes[0], batches):
-        rs = sorted((r for r in rows if r["B"] == b), key=lambda r: r["T"])
-        for impl, style in zip(impls, ("o-", "s-", "^-")):
-            for mode, ls in (("graph", "-"), ("eager", ":")):
-                pts = [(r["T"], r[f"{impl}_{mode}_TBs"]) for r in rs if f"{impl}_{mode}_TBs" in r]
+    panels = list(dict.fromkeys(r["panel"] for r in rows))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.2), sharey=True, squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        rs = [r for r in rows if r["panel"] == panel]
+        other = panel == "other heads"
+        if other:  # categorical x: one position per (heads, B, T)
+            labels = [f"{r['heads']}\nB={r['B']} T={tokens_str(r['T'])}" for r in rs]
+            xs = list(range(len(rs)))
+        else:
+            rs.sort(key=lambda r: r["T"])
+            xs = [r["T"] for r in rs]
+        for i, name in enumerate(impls):
+            for mode, style in (("graph", "-"), ("call", ":")):
+                pts = [(x, r[f"{name}_{mode}_TBs"]) for x, r in zip(xs, rs) if f"{name}_{mode}_TBs" in r]
                 if pts:
-                    ax.plot(*zip(*pts), style[0] + ls, label=f"{impl} ({mode})")
-        ax.axhline(READ_CEILING_TBS, color="k", lw=0.8, ls="--", label="read ceiling 4.47 TB/s")
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"B = {b}")
-        ax.set_xlabel("context T (tokens)")
+                    label = f"{name} ({'graph' if mode == 'graph' else 'per call'})"
+                    ax.plot(*zip(*pts), "o" + ("" if other else style), color=f"C{i}",
+                            mfc="none" if mode == "call" else None, label=label)
+        ax.axhline(READ_CEILING_TBS, color="k", lw=0.8, ls="--", label=f"read ceiling {READ_CEILING_TBS} TB/s")
+        ax.axhline(CUDNN_READ_TBS, color="grey", lw=0.6, ls=":", label=f"cuDNN decode at B=1 T=1M: {CUDNN_READ_TBS}")
+        if other:
+            ax.set_xticks(xs, labels, fontsize=6, rotation=60)
+        else:
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("context T (tokens)")
+        ax.set_title(panel if other else f"{panel}, Hq/Hkv/D = {'/'.join(map(str, HEADS))}")
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("achieved TB/s (KV bytes / time)")
-    axes[0][-1].legend(fontsize=7)
-    fig.suptitle("bf16 decode, Hq=32, Hkv=8, D=128, H200")
-    fig.tight_layout()
-    fig.savefig(RESULTS / f"{name}.png", dpi=120)
+    axes[0][0].set_ylabel("TB/s (K+V bytes / time)")
+    legend = {}
+    for ax in axes[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(label, handle)
+    fig.legend(legend.values(), legend.keys(), loc="lower center", ncol=6, fontsize=7)
+    fig.suptitle(f"decode attention, one GPU: graph = {GRAPH_CALLS} calls per CUDA graph, L2 flushed per replay")
+    fig.tight_layout(rect=(0, 0.14, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def summary(rows) -> list[dict]:
+    """The compact table: graph and per-call µs of the main implementations, and cp_attention / SDPA."""
+    out = []
+    for r in rows:
+        s = {"B": r["B"], "T": tokens_str(r["T"]), "heads": r["heads"]}
+        for key, name, mode in (("cp graph", "cp_attention", "graph"), ("sdpa graph", "sdpa", "graph"),
+                                ("xqa graph", "flashinfer_xqa", "graph"), ("fa2 graph", "flashinfer_fa2", "graph"),
+                                ("xqa8 graph", "flashinfer_xqa_fp8", "graph"),
+                                ("cp call", "cp_attention", "call"), ("sdpa call", "sdpa", "call")):
+            if f"{name}_{mode}_us" in r:
+                s[key] = r[f"{name}_{mode}_us"]
+        for mode in ("graph", "call"):
+            if f"cp {mode}" in s and f"sdpa {mode}" in s:
+                s[f"cp/sdpa {mode}"] = s[f"cp {mode}"] / s[f"sdpa {mode}"]
+        out.append(s)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", nargs="+", metavar="BxT", help="shapes at Hq/Hkv/D = 32/8/128, e.g. 1x128k 64x2048 "
+                    "(default: the full list, or the --quick one)")
+    ap.add_argument("--heads", nargs="*", metavar="HQ,HKV,D",
+                    help=f"other head shapes (default: {' '.join(OTHER_HEADS)}; none with --quick; no value: none)")
+    ap.add_argument("--head-shapes", nargs="+", default=HEAD_SHAPES, metavar="BxT", help="shapes of the --heads")
+    ap.add_argument("--quick", action="store_true", help="the four shapes of DESIGN.md's peer table only")
+    ap.add_argument("--impls", nargs="+", default=DEFAULT_IMPLS, choices=list(IMPLS))
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    ap.add_argument("--time-budget-s", type=float, default=420.0,
+                    help="start no new shape after this many seconds (what was measured is still written)")
+    ap.add_argument("--name", default="bench_decode", help="results file stem under benchmarks/results/")
+    args = ap.parse_args()
+    if args.shapes is None:
+        args.shapes = QUICK_SHAPES if args.quick else SHAPES
+    if args.heads is None:
+        args.heads = [] if args.quick else OTHER_HEADS
+
+    start = time.monotonic()
+    dtype = DTYPES[args.dtype]
+    todo = cases(args)
+    rows, not_run = [], []
+    config = {"dtype": args.dtype, "impls": args.impls, "graph_calls": GRAPH_CALLS,
+              "read_ceiling_TBs": READ_CEILING_TBS, "cudnn_1M_TBs": CUDNN_READ_TBS, "xqa_page_size": 64,
+              "fa2_page_size": 16,
+              "timing": "triton.testing.do_bench median (L2 flushed before each call / each graph replay)"}
+    for case in tqdm(todo, desc="decode shapes"):
+        if time.monotonic() - start > args.time_budget_s:
+            not_run.append(case)
+            continue
+        rows.append(run_case(case, args, dtype))
+        write_json(args.name, {"config": config, "rows": rows, "not_run": not_run})
+    record_kernels(rows, args.impls, dtype)
+    json_path = write_json(args.name, {"config": config, "rows": rows, "not_run": not_run})
+    png = RESULTS / f"{args.name}.png"
+    if rows:
+        plot(rows, args.impls, png)
+
+    for r in rows:
+        where = f"B={r['B']} T={tokens_str(r['T'])} {r['heads']}"
+        for key, val in r.items():
+            if key.endswith(("error", "_skipped")):
+                print(f"{where}: {key} = {val}")
+            elif key.endswith("_ok") and not val:
+                print(f"{where}: {key[:-3]} max |o - o_cp_attention| = {r[key[:-3] + '_maxdiff']}")
+    kernels = {}  # (impl, kernel names without template arguments) -> shapes (full names in the JSON)
+    for r in rows:
+        for name in ("sdpa", "sdpa_flash"):
+            if f"{name}_kernels" in r:
+                short = tuple(k.removeprefix("void ").split("<")[0].split("(")[0] for k in r[f"{name}_kernels"])
+                kernels.setdefault((name, short), []).append(f"{r['B']}x{tokens_str(r['T'])}({r['heads']})")
+    for (name, short), where in kernels.items():
+        print(f"{name} kernels {', '.join(short)} at {' '.join(where)}")
+    if not_run:
+        skipped = " ".join(f"{c['B']}x{tokens_str(c['T'])}({c['Hq']}/{c['Hkv']}/{c['D']})" for c in not_run)
+        print(f"time budget of {args.time_budget_s:g} s reached, not run: {skipped}")
+    print(f"wrote {json_path}" + (f" and {png}" if rows else ""))
+    print(table(summary(rows), ["B", "T", "heads", "cp graph", "sdpa graph", "xqa graph", "fa2 graph", "xqa8 graph",
+                                "cp call", "sdpa call", "cp/sdpa graph", "cp/sdpa call"]))
 
 
 if __name__ == "__main__":

@@ -1,25 +1,45 @@
-"""Host time per eager call (launch overhead) of flash_decode against its parts and against torch SDPA, on
-a cache so small that the GPU work is negligible: wall time of N back-to-back calls / N.
+"""Host cost of one eager decode call with the GPU idle: a tiny decode (B=1, T=256, bf16, Hq=32, Hkv=8,
+D=128) whose GPU work is a few µs, so the host path sets the pace.
 
-    PYTHONPATH=. python benchmarks/bench_overhead.py
+For each call -- flash_decode (default; with seq_lens; with return_lse=True; with a caller-owned ``out=``
+tensor when flash_decode accepts an ``out`` keyword) and torch SDPA (default backend selection) -- three
+numbers:
+
+* ``loop_us``: wall clock of N back-to-back calls / N, one ``torch.cuda.synchronize()`` at the end: the
+  throughput of the host path;
+* ``call_us``: median wall time from the start of one call to its return, each call issued after a
+  ``torch.cuda.synchronize()`` (the host time of one call);
+* ``gpu_gap_us``: from a torch.profiler trace of 50 back-to-back calls, the mean gap between the starts of
+  consecutive GPU activities (kernels, and memsets or copies if the call issues any; ``gpu_per_call``
+  of them per call): with an idle GPU this is the host time per activity as the GPU sees it, profiler
+  overhead included. The traces are taken after all the other timings (a profiler session slows every
+  later launch of the process: benchmarks/_harness.py).
+
+    PYTHONPATH=. python3 benchmarks/bench_overhead.py
+
+Writes benchmarks/results/bench_overhead.json.
 """
 from __future__ import annotations
 
+import argparse
+import inspect
 import os
+import statistics
 import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._harness import table, write_json  # noqa: E402
+from benchmarks import peers  # noqa: E402
+from benchmarks._harness import gpu_activity, kernel_names, table, tqdm, write_json  # noqa: E402
 from cp_attention import flash_decode  # noqa: E402
-from cp_attention.decode import _validate  # noqa: E402
+
+PROFILED_CALLS = 50
 
 
-def per_call_us(fn, n=2000):
+def loop_us(fn, n: int) -> float:
     for _ in range(20):
         fn()
     torch.cuda.synchronize()
@@ -30,36 +50,57 @@ def per_call_us(fn, n=2000):
     return (time.perf_counter() - t0) / n * 1e6
 
 
-def jit_launch(fn):
-    """Per-call time with every launch through Triton's JITFunction (no compiled-kernel cache)."""
-    import cp_attention.ops.split_kv as split_kv
+def call_us(fn, n: int) -> float:
+    times = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
 
-    cached = split_kv.launch
-    split_kv.launch = lambda kernel, grid, args, constexprs, **opt: kernel[grid](*args, **constexprs, **opt)
-    try:
-        return per_call_us(fn)
-    finally:
-        split_kv.launch = cached
+
+def gpu_gap_us(fn) -> tuple[float, int]:
+    """Mean gap between consecutive GPU activity starts over PROFILED_CALLS calls, and activities per call."""
+    starts = [start for _, start, _ in gpu_activity(fn, PROFILED_CALLS)]
+    gap = (starts[-1] - starts[0]) / (len(starts) - 1) if len(starts) > 1 else float("nan")
+    return gap, len(starts) // PROFILED_CALLS
 
 
 def main():
-    q = torch.randn(1, 32, 128, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(1, 8, 256, 128, device="cuda", dtype=torch.bfloat16)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--calls", type=int, default=2000, help="N of the back-to-back loop")
+    ap.add_argument("--single", type=int, default=500, help="synchronized single calls per median")
+    args = ap.parse_args()
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    q = torch.randn(1, 32, 128, generator=gen, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 8, 256, 128, generator=gen, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
-    sl = torch.full((1,), 256, device="cuda", dtype=torch.int32)
-    q4 = q.unsqueeze(2)
-    rows = [
-        {"what": "flash_decode S=1", "us": per_call_us(lambda: flash_decode(q, k, v, num_splits=1))},
-        {"what": "flash_decode S=4", "us": per_call_us(lambda: flash_decode(q, k, v, num_splits=4))},
-        {"what": "flash_decode S=4 + seq_lens", "us": per_call_us(lambda: flash_decode(q, k, v, sl, num_splits=4))},
-        {"what": "flash_decode policy", "us": per_call_us(lambda: flash_decode(q, k, v))},
-        {"what": "flash_decode S=4, Triton JIT launch", "us": jit_launch(lambda: flash_decode(q, k, v, num_splits=4))},
-        {"what": "_validate", "us": per_call_us(lambda: _validate(q, k, v, None, None, None, "HND", False))},
-        {"what": "torch.empty", "us": per_call_us(lambda: torch.empty(1, 32, 128, device="cuda"))},
-        {"what": "torch SDPA", "us": per_call_us(lambda: F.scaled_dot_product_attention(q4, k, v, enable_gqa=True))},
-    ]
-    write_json("bench_overhead", {"rows": rows})
-    print(table(rows, ["what", "us"]))
+    seq_lens = torch.full((1,), 256, device="cuda", dtype=torch.int32)
+    calls = {
+        "flash_decode": lambda: flash_decode(q, k, v),
+        "flash_decode seq_lens": lambda: flash_decode(q, k, v, seq_lens),
+        "flash_decode return_lse": lambda: flash_decode(q, k, v, return_lse=True),
+    }
+    if "out" in inspect.signature(flash_decode).parameters:
+        out = torch.empty_like(q)
+        calls["flash_decode out="] = lambda: flash_decode(q, k, v, out=out)
+    calls["sdpa (default)"] = peers.sdpa_default(q, k, v)
+
+    rows = [{"what": what, "loop_us": loop_us(fn, args.calls), "call_us": call_us(fn, args.single)}
+            for what, fn in tqdm(calls.items(), desc="host overhead")]
+    for row, fn in zip(rows, calls.values()):  # profiled last
+        row["gpu_gap_us"], row["gpu_per_call"] = gpu_gap_us(fn)
+        row["kernels"] = kernel_names(fn)
+    path = write_json("bench_overhead", {"config": {"B": 1, "T": 256, "Hq": 32, "Hkv": 8, "D": 128, "dtype": "bf16",
+                                                    "loop_calls": args.calls, "single_calls": args.single,
+                                                    "profiled_calls": PROFILED_CALLS}, "rows": rows})
+    for r in rows:
+        print(f"{r['what']}: {r['kernels']}")
+    print(f"wrote {path}")
+    print(table(rows, ["what", "loop_us", "call_us", "gpu_gap_us", "gpu_per_call"]))
 
 
 if __name__ == "__main__":

@@ -1,71 +1,103 @@
-"""Sweep flash_decode's tile config and split count on the GPU; the results set the defaults in
-cp_attention/ops/split_kv.py (default_config) and cp_attention/heuristics.py (decode_num_splits).
+"""Sweep flash_decode's split count (and its tile config, where the library lets a caller choose one) on
+the GPU; the results set the defaults of cp_attention/heuristics.py (decode_config and the split policy
+of decode_plan).
 
-    PYTHONPATH=. python benchmarks/tune_decode.py
+bf16, Hq=32, Hkv=8, D=128 on the shapes of SHAPES (--shapes). For every split count S in SPLITS (at
+most 8 programs per SM): flash_decode(q, k, v, num_splits=S) with the default tile config; for the other
+tile configs of CONFIGS: flash_decode(q, k, v, plan=heuristics.decode_plan(..., splits=S,
+config=DecodeConfig(*cfg))), when flash_decode takes a ``plan`` (otherwise the default config only). Each
+timed per call in a CUDA graph of 20 calls (benchmarks/_harness.py; the split policy decides GPU work
+only); per shape the best (config, S) against the policy's, in a graph and per call.
+
+    PYTHONPATH=. python3 benchmarks/tune_decode.py
 
 Writes benchmarks/results/tune_decode.json.
 """
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import sys
 
 import torch
-from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._harness import bench_eager, bench_graph, table, write_json  # noqa: E402
-from cp_attention import flash_decode  # noqa: E402
-from cp_attention.decode import _num_sms  # noqa: E402
-from cp_attention.heuristics import decode_num_splits  # noqa: E402
+from benchmarks import peers  # noqa: E402
+from benchmarks._harness import bench_call, bench_graph, table, tbs, tqdm, write_json  # noqa: E402
+from cp_attention import flash_decode, heuristics  # noqa: E402
 
-CONFIGS = [(128, 4, 3), (64, 4, 3), (128, 8, 3)]
+CONFIGS = [(128, 4, 3), (64, 4, 3), (128, 8, 3), (128, 4, 2), (64, 4, 4)]  # (block_n, num_warps, num_stages)
 SPLITS = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128]
-SHAPES = [(1, 2048), (1, 8192), (1, 32768), (1, 131072), (1, 1048576), (4, 8192), (4, 32768), (4, 131072),
-          (16, 8192), (16, 32768), (64, 2048), (64, 8192)]
+SHAPES = ["1x2048", "1x8192", "1x32768", "1x131072", "1x1048576", "4x8192", "4x32768", "4x131072", "16x8192",
+          "16x32768", "64x2048", "64x8192"]
+# Tile configs other than the default need flash_decode(plan=heuristics.decode_plan(..., config=...)), which is
+# landing in the library with decode_plan: drop this guard once it has.
+TILE_OVERRIDE = "plan" in inspect.signature(flash_decode).parameters
+
+
+def candidates(q, k, v):
+    """``(config label, split count, callable)`` for every (tile config, split count) to time on this shape."""
+    b, hkv, t, d = k.shape
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    splits = [s for s in SPLITS if b * hkv * s <= 8 * sms]
+    default = heuristics.decode_plan(b, hkv, t, d, q.dtype, sms).config if TILE_OVERRIDE else None
+    label = "x".join(map(str, default)) if default else "default"
+    out = [(label, s, lambda s=s: flash_decode(q, k, v, num_splits=s)) for s in splits]
+    if TILE_OVERRIDE:
+        for cfg in CONFIGS:
+            config = heuristics.DecodeConfig(*cfg)
+            if config == default:
+                continue
+            for s in splits:
+                plan = heuristics.decode_plan(b, hkv, t, d, q.dtype, sms, splits=s, config=config)
+                out.append(("x".join(map(str, cfg)), s, lambda plan=plan: flash_decode(q, k, v, plan=plan)))
+    return out
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rep-ms", type=int, default=30)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", nargs="+", default=SHAPES, metavar="BxT")
+    ap.add_argument("--rep-ms", type=int, default=30, help="do_bench rep per measurement")
     args = ap.parse_args()
+    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes]
     hq, hkv, d, dt = 32, 8, 128, torch.bfloat16
-    rows = []
-    for b, t in tqdm(SHAPES, desc="shapes"):
-        q = torch.randn(b, hq, d, device="cuda", dtype=dt)
-        k = torch.randn(b, hkv, t, d, device="cuda", dtype=dt)
-        v = torch.randn(b, hkv, t, d, device="cuda", dtype=dt)
+    if not TILE_OVERRIDE:
+        print("flash_decode takes no plan: sweeping the split count of the default tile config only", file=sys.stderr)
+    rows, bests = [], []
+    gen = torch.Generator("cuda").manual_seed(0)
+    for b, t in tqdm(shapes, desc="shapes"):
+        q = torch.randn(b, hq, d, generator=gen, device="cuda", dtype=dt)
+        k = torch.randn(b, hkv, t, d, generator=gen, device="cuda", dtype=dt)
+        v = torch.randn(b, hkv, t, d, generator=gen, device="cuda", dtype=dt)
         nbytes = 2 * k.numel() * k.element_size()
         best = None
-        for cfg in CONFIGS:
-            for s in SPLITS:
-                if b * hkv * s > 8 * 132 * 4 or (b * hkv >= 256 and s > 2):
-                    continue
-                # GPU time (graph replay): the split policy decides GPU work only.
-                us = bench_graph(lambda: flash_decode(q, k, v, num_splits=s, _config=cfg), args.rep_ms)
-                r = {"B": b, "T": t, "cfg": "x".join(map(str, cfg)), "S": s, "us": us, "TBs": nbytes / us / 1e6}
-                rows.append(r)
-                if best is None or us < best["us"]:
-                    best = r
-        policy_s = decode_num_splits(b, hkv, t, 64, _num_sms(q.device))
-        best = dict(best, policy_S=policy_s, policy_graph_us=bench_graph(lambda: flash_decode(q, k, v)),
-                    policy_eager_us=bench_eager(lambda: flash_decode(q, k, v)))
-        rows.append(dict(best, kind="best"))
-        del q, k, v
+        for cfg, s, fn in candidates(q, k, v):
+            us = bench_graph(fn, rep=args.rep_ms)
+            r = {"B": b, "T": t, "cfg": cfg, "S": s, "graph_us": us, "TBs": tbs(nbytes, us)}
+            rows.append(r)
+            if best is None or us < best["graph_us"]:
+                best = r
+        policy = peers.cp_attention(q, k, v)
+        bests.append(dict(best, policy_S=peers.cp_splits(q, k), policy_graph_us=bench_graph(policy, rep=args.rep_ms),
+                          policy_call_us=bench_call(policy, rep=args.rep_ms)))
+        del q, k, v, policy
         torch.cuda.empty_cache()
-    write_json("tune_decode", {"rows": rows})
-    bests = [r for r in rows if r.get("kind") == "best"]
-    print(table(bests, ["B", "T", "cfg", "S", "us", "TBs", "policy_S", "policy_graph_us", "policy_eager_us"]))
-    # Per config: time at the best split count for each shape, to choose one config for all.
-    for cfg in CONFIGS:
-        c = "x".join(map(str, cfg))
-        per = []
-        for b, t in SHAPES:
-            xs = [r["us"] for r in rows if r.get("cfg") == c and r["B"] == b and r["T"] == t and "kind" not in r]
-            per.append(min(xs) if xs else float("nan"))
-        print(c, " ".join(f"{x:8.1f}" for x in per))
+    path = write_json("tune_decode", {"config": {"configs": CONFIGS, "tile_override": TILE_OVERRIDE}, "rows": rows,
+                                      "best": bests})
+    # Per tile config: its time at its best split count on each shape, to choose one config for all.
+    per_cfg = []
+    for cfg in dict.fromkeys(r["cfg"] for r in rows):
+        per = {"cfg": cfg}
+        for b, t in shapes:
+            xs = [r["graph_us"] for r in rows if r["cfg"] == cfg and r["B"] == b and r["T"] == t]
+            if xs:
+                per[f"{b}x{t}"] = min(xs)
+        per_cfg.append(per)
+    print(table(per_cfg, ["cfg"] + args.shapes))
+    print(f"wrote {path}")
+    print(table(bests, ["B", "T", "cfg", "S", "graph_us", "TBs", "policy_S", "policy_graph_us", "policy_call_us"]))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ def test_num_sms_of_a_cpu_device_is_the_reference():
 
 def test_decode_configs():
     assert decode_config(128, torch.bfloat16) == DecodeConfig(128, 4, 3)
+    assert decode_config(128, torch.bfloat16, 512) == DecodeConfig(64, 4, 2)
     assert decode_config(256, torch.float16) == DecodeConfig(64, 4, 2)
     assert decode_config(64, torch.float32) == DecodeConfig(64, 4, 2)
     assert DecodeConfig(128, 4, 3).programs_per_sm(128, torch.bfloat16) == 1  # 192 KB of K/V stages
@@ -35,7 +36,8 @@ DECODE_PLANS = [
     ((4, 8, 32768, 128, torch.bfloat16), (4, 64)),
     ((16, 8, 32768, 128, torch.bfloat16), (1, 256)),    # 128 work items fill the machine
     ((64, 8, 4096, 128, torch.bfloat16), (1, 32)),
-    ((1, 8, 2048, 128, torch.bfloat16), (8, 2)),        # no split gets fewer than two tiles
+    ((1, 8, 2048, 128, torch.bfloat16), (16, 1)),       # splits of one tile at short contexts
+    ((1, 8, 512, 128, torch.bfloat16), (8, 1)),         # 64-key tiles up to 512 positions
     ((1, 8, 64, 128, torch.bfloat16), (1, 1)),          # one tile: nothing to split
     ((0, 8, 4096, 128, torch.bfloat16), (1, 32)),       # an empty batch
 ]

@@ -18,3 +18,19 @@ def test_key_tracks_specialisation():
     assert key(buf[1:], 32, 128) != base        # pointer not 16-byte aligned
     assert key(buf.half(), 32, 128) != base     # dtype
     assert key(buf, 32.0, 128) != base          # float vs int
+
+
+def test_no_launch_hook_registered_by_default():
+    """Launches bypass Triton's launch-metadata path only while no profiler hook is registered."""
+    from triton import knobs
+
+    from cp_attention.ops._launch import _hooks_registered
+
+    assert not _hooks_registered()
+    hook = lambda metadata: None  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert _hooks_registered()
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert not _hooks_registered()

@@ -25,6 +25,16 @@ Rounding (level 1): the weights ``p`` are rounded to the value dtype for the ``p
 tensor cores, and ``o`` is normalised by the sum of the *rounded* weights, so it is a convex combination
 of the values (``|o| <= max |v|``: an fp16 cache of 65504s gives 65504, not inf); the lse sums the
 unrounded weights, so it stays exact to fp32.
+
+Note [Loops under the interpreter]
+----------------------------------
+Triton 3.6's interpreter holds every scalar as a shape-[1] NumPy array and gives ``range()`` a runtime
+bound through ``int(array)``, which NumPy >= 2.4 rejects ("only 0-dimensional arrays can be converted to
+Python scalars"); 3.9's squeezes the array first. So under the interpreter (``INTERPRET``, the knob that
+made ``@triton.jit`` interpret) a loop with a runtime bound is a ``while`` loop, whose test only needs
+``bool(array)``; compiled kernels keep the ``for`` loop (``scf.for``, software-pipelined: a ``while``
+would lose the ``cp.async`` pipeline) and never see the other branch. The body is one helper, so both
+forms run the same code.
 """
 import triton
 import triton.language as tl
@@ -34,6 +44,7 @@ from ._dot import dot
 
 LOG2E = tl.constexpr(_constants.LOG2E)
 LN2 = tl.constexpr(_constants.LN2)
+INTERPRET = tl.constexpr(triton.knobs.runtime.interpret)  # Note [Loops under the interpreter]
 
 
 @triton.jit
@@ -78,24 +89,40 @@ def attend_tiles(b_q, p_k, p_v, stride_kt, stride_vt, t_start, t_end, qk_scale, 
     l_i = tl.zeros([BLOCK_M], tl.float32)  # sum of the weights: the lse
     r_i = tl.zeros([BLOCK_M], tl.float32)  # sum of the rounded weights: normalises o
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for t0 in range(t_start, t_end, BLOCK_N):
-        o_t = t0 + tl.arange(0, BLOCK_N)
-        m_t = o_t < t_end
-        o_t64 = o_t.to(tl.int64)
-        m_td = m_t[:, None] & m_d[None, :]
-        b_k = tl.load(p_k + o_t64[:, None] * stride_kt + o_d[None, :], mask=m_td, other=0.0)
-        b_s = dot(b_q, tl.trans(b_k), None, INPUT_PRECISION, UPCAST) * qk_scale
-        b_s = tl.where(m_t[None, :], b_s, float("-inf"))
-        m_i, m_ref, alpha = running_max(m_i, tl.max(b_s, 1), 1.0)
-        b_v = tl.load(p_v + o_t64[:, None] * stride_vt + o_d[None, :], mask=m_td, other=0.0)
-        p = tl.exp2(b_s - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        p = p.to(b_v.dtype)
-        r_i = r_i * alpha + tl.sum(p.to(tl.float32), 1)
-        acc = dot(p, b_v, acc * alpha[:, None], INPUT_PRECISION, UPCAST)
+    if INTERPRET:  # Note [Loops under the interpreter]
+        t0 = t_start
+        while t0 < t_end:
+            m_i, l_i, r_i, acc = attend_tile(m_i, l_i, r_i, acc, b_q, p_k, p_v, stride_kt, stride_vt, t0, t_end,
+                                             qk_scale, o_d, m_d, BLOCK_N, INPUT_PRECISION, UPCAST)
+            t0 += BLOCK_N
+    else:
+        for t0 in range(t_start, t_end, BLOCK_N):
+            m_i, l_i, r_i, acc = attend_tile(m_i, l_i, r_i, acc, b_q, p_k, p_v, stride_kt, stride_vt, t0, t_end,
+                                             qk_scale, o_d, m_d, BLOCK_N, INPUT_PRECISION, UPCAST)
     o, _ = finalize(m_i, r_i, acc, LN2)
     _, lse = finalize(m_i, l_i, acc, LN2)
     return o, lse
+
+
+@triton.jit
+def attend_tile(m_i, l_i, r_i, acc, b_q, p_k, p_v, stride_kt, stride_vt, t0, t_end, qk_scale, o_d, m_d,
+                BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One step of :func:`attend_tiles`: fold the keys ``[t0, min(t0 + BLOCK_N, t_end))``."""
+    o_t = t0 + tl.arange(0, BLOCK_N)
+    m_t = o_t < t_end
+    o_t64 = o_t.to(tl.int64)
+    m_td = m_t[:, None] & m_d[None, :]
+    b_k = tl.load(p_k + o_t64[:, None] * stride_kt + o_d[None, :], mask=m_td, other=0.0)
+    b_s = dot(b_q, tl.trans(b_k), None, INPUT_PRECISION, UPCAST) * qk_scale
+    b_s = tl.where(m_t[None, :], b_s, float("-inf"))
+    m_i, m_ref, alpha = running_max(m_i, tl.max(b_s, 1), 1.0)
+    b_v = tl.load(p_v + o_t64[:, None] * stride_vt + o_d[None, :], mask=m_td, other=0.0)
+    p = tl.exp2(b_s - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p = p.to(b_v.dtype)
+    r_i = r_i * alpha + tl.sum(p.to(tl.float32), 1)
+    acc = dot(p, b_v, acc * alpha[:, None], INPUT_PRECISION, UPCAST)
+    return m_i, l_i, r_i, acc
 
 
 @triton.jit
@@ -121,17 +148,31 @@ def merge_tile(p_lse, p_o, n, stride_ls, stride_lg, stride_os, stride_og, o_g, m
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for j0 in range(0, n, BLOCK_S):
-        o_s = (j0 + tl.arange(0, BLOCK_S)).to(tl.int64)
-        m_s = o_s < n
-        m_sg = m_s[:, None] & m_g[None, :]
-        b_lse = tl.load(p_lse + o_s[:, None] * stride_ls + o_g[None, :] * stride_lg, mask=m_sg,
-                        other=float("-inf"), cache_modifier=CACHE)
-        p_os = p_o + o_s[:, None, None] * stride_os + o_g[None, :, None] * stride_og + o_d[None, None, :]
-        b_o = tl.load(p_os, mask=m_sg[:, :, None] & m_d[None, None, :], other=0.0,
-                      cache_modifier=CACHE).to(tl.float32)
-        m_i, l_i, acc = fold_states(m_i, l_i, acc, b_lse, b_o)
+    if INTERPRET:  # Note [Loops under the interpreter]
+        j0 = 0
+        while j0 < n:
+            m_i, l_i, acc = merge_block(m_i, l_i, acc, p_lse, p_o, j0, n, stride_ls, stride_lg, stride_os,
+                                        stride_og, o_g, m_g, o_d, m_d, BLOCK_S, CACHE)
+            j0 += BLOCK_S
+    else:
+        for j0 in range(0, n, BLOCK_S):
+            m_i, l_i, acc = merge_block(m_i, l_i, acc, p_lse, p_o, j0, n, stride_ls, stride_lg, stride_os,
+                                        stride_og, o_g, m_g, o_d, m_d, BLOCK_S, CACHE)
     return finalize(m_i, l_i, acc, 1.0)
+
+
+@triton.jit
+def merge_block(m_i, l_i, acc, p_lse, p_o, j0, n, stride_ls, stride_lg, stride_os, stride_og, o_g, m_g, o_d, m_d,
+                BLOCK_S: tl.constexpr, CACHE: tl.constexpr):
+    """One step of :func:`merge_tile`: fold the states ``[j0, min(j0 + BLOCK_S, n))`` of every row."""
+    o_s = (j0 + tl.arange(0, BLOCK_S)).to(tl.int64)
+    m_s = o_s < n
+    m_sg = m_s[:, None] & m_g[None, :]
+    b_lse = tl.load(p_lse + o_s[:, None] * stride_ls + o_g[None, :] * stride_lg, mask=m_sg,
+                    other=float("-inf"), cache_modifier=CACHE)
+    p_os = p_o + o_s[:, None, None] * stride_os + o_g[None, :, None] * stride_og + o_d[None, None, :]
+    b_o = tl.load(p_os, mask=m_sg[:, :, None] & m_d[None, None, :], other=0.0, cache_modifier=CACHE).to(tl.float32)
+    return fold_states(m_i, l_i, acc, b_lse, b_o)
 
 
 @triton.jit
