@@ -19,10 +19,10 @@ time (H200, torch 2.11: an eager SDPA call went from 17 to 46 µs), so :func:`gp
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import math
 import platform
-import subprocess
 from importlib import metadata
 from pathlib import Path
 
@@ -110,20 +110,19 @@ def kernel_names(fn) -> list[str]:
     return [name for name, _, _ in gpu_activity(fn)]
 
 
-def git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=RESULTS.parent, capture_output=True,
-                             text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if out.returncode != 0:
-        return None
-    return out.stdout.strip() or None
+def source_sha() -> str:
+    """SHA-256 (first 12 hex digits) of the library's source files, so a result names the code it measured
+    (a copy of the working tree may carry no, or a stale, git history)."""
+    h = hashlib.sha256()
+    for path in sorted((RESULTS.parent.parent / "cp_attention").rglob("*.py")):
+        h.update(path.relative_to(RESULTS.parent.parent).as_posix().encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:12]
 
 
 def environment() -> dict:
     env = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "python": platform.python_version(),
-           "torch": torch.__version__, "triton": triton.__version__, "git_commit": git_commit()}
+           "torch": torch.__version__, "triton": triton.__version__, "cp_attention_sha": source_sha()}
     try:
         env["flashinfer"] = metadata.version("flashinfer-python")
     except metadata.PackageNotFoundError:

@@ -2,7 +2,7 @@
 D=128) whose GPU work is a few µs, so the host path sets the pace.
 
 For each call -- flash_decode (default; with seq_lens; with return_lse=True; with a caller-owned ``out=``
-tensor when flash_decode accepts an ``out`` keyword) and torch SDPA (default backend selection) -- three
+tensor) and torch SDPA (default backend selection) -- three
 numbers:
 
 * ``loop_us``: wall clock of N back-to-back calls / N, one ``torch.cuda.synchronize()`` at the end: the
@@ -22,7 +22,6 @@ Writes benchmarks/results/bench_overhead.json.
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import statistics
 import sys
@@ -79,15 +78,14 @@ def main():
     k = torch.randn(1, 8, 256, 128, generator=gen, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     seq_lens = torch.full((1,), 256, device="cuda", dtype=torch.int32)
+    out = torch.empty_like(q)
     calls = {
         "flash_decode": lambda: flash_decode(q, k, v),
         "flash_decode seq_lens": lambda: flash_decode(q, k, v, seq_lens),
         "flash_decode return_lse": lambda: flash_decode(q, k, v, return_lse=True),
+        "flash_decode out=": lambda: flash_decode(q, k, v, out=out),
+        "sdpa (default)": peers.sdpa_default(q, k, v),
     }
-    if "out" in inspect.signature(flash_decode).parameters:
-        out = torch.empty_like(q)
-        calls["flash_decode out="] = lambda: flash_decode(q, k, v, out=out)
-    calls["sdpa (default)"] = peers.sdpa_default(q, k, v)
 
     rows = [{"what": what, "loop_us": loop_us(fn, args.calls), "call_us": call_us(fn, args.single)}
             for what, fn in tqdm(calls.items(), desc="host overhead")]

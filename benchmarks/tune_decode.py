@@ -1,13 +1,11 @@
-"""Sweep flash_decode's split count (and its tile config, where the library lets a caller choose one) on
-the GPU; the results set the defaults of cp_attention/heuristics.py (decode_config and the split policy
-of decode_plan).
+"""Sweep flash_decode's tile config and split count on the GPU; the results set the defaults of
+cp_attention/heuristics.py (decode_config and the split policy of decode_plan).
 
-bf16, Hq=32, Hkv=8, D=128 on the shapes of SHAPES (--shapes). For every split count S in SPLITS (at
-most 8 programs per SM): flash_decode(q, k, v, num_splits=S) with the default tile config; for the other
-tile configs of CONFIGS: flash_decode(q, k, v, plan=heuristics.decode_plan(..., splits=S,
-config=DecodeConfig(*cfg))), when flash_decode takes a ``plan`` (otherwise the default config only). Each
-timed per call in a CUDA graph of 20 calls (benchmarks/_harness.py; the split policy decides GPU work
-only); per shape the best (config, S) against the policy's, in a graph and per call.
+bf16, Hq=32, Hkv=8, D=128 on the shapes of SHAPES (--shapes). For every tile config of CONFIGS and split
+count S in SPLITS (at most 8 programs per SM): flash_decode(q, k, v, plan=heuristics.decode_plan(...,
+splits=S, config=DecodeConfig(*cfg))), timed per call in a CUDA graph of 20 calls
+(benchmarks/_harness.py; the split policy decides GPU work only); per shape the best (config, S) against
+the policy's, in a graph and per call.
 
     PYTHONPATH=. python3 benchmarks/tune_decode.py
 
@@ -16,7 +14,6 @@ Writes benchmarks/results/tune_decode.json.
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import sys
 
@@ -28,13 +25,10 @@ from benchmarks import peers  # noqa: E402
 from benchmarks._harness import bench_call, bench_graph, table, tbs, tqdm, write_json  # noqa: E402
 from cp_attention import flash_decode, heuristics  # noqa: E402
 
-CONFIGS = [(128, 4, 3), (64, 4, 3), (128, 8, 3), (128, 4, 2), (64, 4, 4)]  # (block_n, num_warps, num_stages)
+CONFIGS = [(128, 4, 3), (64, 4, 3), (128, 8, 3), (128, 4, 2), (64, 4, 4), (64, 4, 2)]  # (block_n, warps, stages)
 SPLITS = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128]
 SHAPES = ["1x2048", "1x8192", "1x32768", "1x131072", "1x1048576", "4x8192", "4x32768", "4x131072", "16x8192",
           "16x32768", "64x2048", "64x8192"]
-# Tile configs other than the default need flash_decode(plan=heuristics.decode_plan(..., config=...)), which is
-# landing in the library with decode_plan: drop this guard once it has.
-TILE_OVERRIDE = "plan" in inspect.signature(flash_decode).parameters
 
 
 def candidates(q, k, v):
@@ -42,17 +36,11 @@ def candidates(q, k, v):
     b, hkv, t, d = k.shape
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     splits = [s for s in SPLITS if b * hkv * s <= 8 * sms]
-    default = heuristics.decode_plan(b, hkv, t, d, q.dtype, sms).config if TILE_OVERRIDE else None
-    label = "x".join(map(str, default)) if default else "default"
-    out = [(label, s, lambda s=s: flash_decode(q, k, v, num_splits=s)) for s in splits]
-    if TILE_OVERRIDE:
-        for cfg in CONFIGS:
-            config = heuristics.DecodeConfig(*cfg)
-            if config == default:
-                continue
-            for s in splits:
-                plan = heuristics.decode_plan(b, hkv, t, d, q.dtype, sms, splits=s, config=config)
-                out.append(("x".join(map(str, cfg)), s, lambda plan=plan: flash_decode(q, k, v, plan=plan)))
+    out = []
+    for cfg in CONFIGS:
+        for s in splits:
+            plan = heuristics.decode_plan(b, hkv, t, d, q.dtype, sms, splits=s, config=heuristics.DecodeConfig(*cfg))
+            out.append(("x".join(map(str, cfg)), s, lambda plan=plan: flash_decode(q, k, v, plan=plan)))
     return out
 
 
@@ -63,8 +51,6 @@ def main():
     args = ap.parse_args()
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes]
     hq, hkv, d, dt = 32, 8, 128, torch.bfloat16
-    if not TILE_OVERRIDE:
-        print("flash_decode takes no plan: sweeping the split count of the default tile config only", file=sys.stderr)
     rows, bests = [], []
     gen = torch.Generator("cuda").manual_seed(0)
     for b, t in tqdm(shapes, desc="shapes"):
@@ -84,7 +70,7 @@ def main():
                           policy_call_us=bench_call(policy, rep=args.rep_ms)))
         del q, k, v, policy
         torch.cuda.empty_cache()
-    path = write_json("tune_decode", {"config": {"configs": CONFIGS, "tile_override": TILE_OVERRIDE}, "rows": rows,
+    path = write_json("tune_decode", {"config": {"configs": CONFIGS}, "rows": rows,
                                       "best": bests})
     # Per tile config: its time at its best split count on each shape, to choose one config for all.
     per_cfg = []
