@@ -19,10 +19,12 @@ time (H200, torch 2.11: an eager SDPA call went from 17 to 46 µs), so :func:`gp
 from __future__ import annotations
 
 import datetime
+import gc
 import hashlib
 import json
 import math
 import platform
+import sys
 from importlib import metadata
 from pathlib import Path
 
@@ -85,6 +87,29 @@ def max_abs_diff(out: torch.Tensor, ref: torch.Tensor) -> float | str:
     if not torch.isfinite(out).all():
         return "non-finite"
     return float((out - ref.float()).abs().max())
+
+
+def measure(row: dict, name: str, build, ref=None, where: str = "") -> None:
+    """``fn = build()``; ``max |fn() - ref|`` into ``row[name + "_maxdiff"]`` (when ``ref`` is given); its µs
+    per call and per call in a graph into ``row[name + "_call_us"]`` and ``row[name + "_graph_us"]``. A
+    failure is recorded in ``row[name + "_error"]`` (and printed with ``where``), never raised, so one
+    failing implementation does not lose the others' numbers; the implementation's memory is freed after."""
+    fn = None
+    try:
+        fn = build()
+        out = fn()
+        if ref is not None:
+            row[f"{name}_maxdiff"] = max_abs_diff(out, ref)
+        del out
+        row[f"{name}_call_us"] = bench_call(fn)
+        row[f"{name}_graph_us"] = bench_graph(fn)
+    except Exception as e:  # noqa: BLE001 - recorded, see the docstring
+        row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:400]
+        tqdm.write(f"[{where}] {name}: {row[f'{name}_error']}", file=sys.stderr)
+    finally:
+        del fn
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def gpu_activity(fn, calls: int = 1) -> list[tuple[str, float, float]]:

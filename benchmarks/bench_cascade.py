@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import peers  # noqa: E402
 from benchmarks._harness import (  # noqa: E402
-    RESULTS, bench_call, bench_graph, max_abs_diff, table, tqdm, write_json,
+    RESULTS, measure, table, tqdm, write_json,
 )
 from cp_attention import CascadeLevel, cascade_decode  # noqa: E402
 
@@ -79,23 +79,9 @@ FLASHINFER = {"fi_cascade", "fi_fa2", "fi_xqa"}
 SWEEP = ["cascade", "prefix_only", "flat_flash_decode", "sdpa", "fi_cascade", "fi_fa2"]
 
 
-def measure(sh, name, row, ref):
+def measure_impl(sh, name, row, ref):
     """Check and time one implementation on one shape into ``row``; never raises."""
-    fn = None
-    try:
-        fn = IMPLS[name](sh)
-        out = fn()
-        if ref is not None and name != "prefix_only":
-            row[f"{name}_maxdiff"] = max_abs_diff(out, ref)
-        for mode, bench in (("call", bench_call), ("graph", bench_graph)):
-            row[f"{name}_{mode}_us"] = bench(fn)
-    except Exception as e:  # a failing peer must not lose the other numbers
-        row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:400]
-        tqdm.write(f"[{row['shape']}] {name}: {row[f'{name}_error']}", file=sys.stderr)
-    finally:
-        del fn
-        gc.collect()
-        torch.cuda.empty_cache()
+    measure(row, name, lambda: IMPLS[name](sh), None if name == "prefix_only" else ref, row["shape"])
 
 
 def run_shape(label, b, prefix, suffix, names):
@@ -103,7 +89,7 @@ def run_shape(label, b, prefix, suffix, names):
     sh = Shape(b, prefix, suffix)
     ref = cascade_decode(sh.q, sh.levels).float()
     for name in names:
-        measure(sh, name, row, ref)
+        measure_impl(sh, name, row, ref)
     row["prefix_GFLOP"] = sh.prefix_flops / 1e9
     for mode in ("call", "graph"):
         if f"prefix_only_{mode}_us" in row:

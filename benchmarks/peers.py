@@ -30,15 +30,20 @@ def cp_attention(q, k, v):
     return lambda: flash_decode(q, k, v)
 
 
-def cp_splits(q, k) -> int | None:
-    """The split count flash_decode uses for ``q``, ``k`` (None until ``heuristics.decode_plan`` exists)."""
-    try:
-        decode_plan = heuristics.decode_plan
-    except AttributeError:  # TODO: drop the guard once cp_attention.heuristics.decode_plan lands
-        return None
+def cp_splits(q, k) -> int:
+    """The split count flash_decode uses for ``q``, ``k``."""
     b, hkv, t, d = k.shape
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    return decode_plan(b, hkv, t, d, q.dtype, sms).num_splits
+    return heuristics.decode_plan(b, hkv, t, d, q.dtype, sms).num_splits
+
+
+def cp_attention_paged(q, k, v, *, page_size: int = 16):
+    """cp_attention.flash_decode on a paged NHD copy of the cache (the pages of :func:`paged`)."""
+    b, hkv, t, d = k.shape
+    kp, vp = paged(k, page_size), paged(v, page_size)
+    table = page_table(b, t // page_size, q.device)
+    seq_lens = torch.full((b,), t, dtype=torch.int32, device=q.device)
+    return lambda: flash_decode(q, kp, vp, seq_lens, block_table=table, kv_layout="NHD")
 
 
 def sdpa_default(q, k, v):
@@ -138,11 +143,17 @@ def flashinfer_fa2(q, k, v, *, page_size: int = 16):
     CUDA graphs (FlashInfer's rules): ``use_cuda_graph=True`` needs the three page-metadata buffers at
     construction (plan copies into them), a fixed batch size for the wrapper's lifetime, and plan() called
     outside the graph. ``backend="fa2"`` is explicit (``"auto"`` would pick it here too: bf16, no block_tables).
+
+    ``q [B, Q, Hq, D]`` (``Q`` draft rows per request): ``plan(..., q_len_per_req=Q)`` (bottom-right causal
+    within each request's block) and ``run`` on the rows flattened to ``[B * Q, Hq, D]``.
     """
     import flashinfer
 
     b, hkv, t, d = k.shape
-    hq = q.shape[1]
+    hq = q.shape[-2]
+    q_rows = q.shape[1] if q.dim() == 4 else 1
+    shape = q.shape
+    q = q.reshape(b * q_rows, hq, d)
     kp, vp = paged(k, page_size), paged(v, page_size)
     per_seq = t // page_size
     indptr = torch.arange(b + 1, dtype=torch.int32, device=q.device) * per_seq
@@ -153,9 +164,10 @@ def flashinfer_fa2(q, k, v, *, page_size: int = 16):
         workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=torch.empty_like(indptr),
         paged_kv_indices_buffer=torch.empty_like(indices), paged_kv_last_page_len_buffer=torch.empty_like(last),
         backend="fa2")
-    wrapper.plan(indptr, indices, last, hq, hkv, d, page_size, q_data_type=q.dtype, kv_data_type=k.dtype)
+    wrapper.plan(indptr, indices, last, hq, hkv, d, page_size, q_data_type=q.dtype, kv_data_type=k.dtype,
+                 **({"q_len_per_req": q_rows} if q_rows > 1 else {}))
     out = torch.empty_like(q)
-    return lambda: wrapper.run(q, (kp, vp), out=out)
+    return lambda: wrapper.run(q, (kp, vp), out=out).view(shape)
 
 
 def flashinfer_cascade(q, prefix_k, prefix_v, suffix_k, suffix_v, *, page_size: int = 16):

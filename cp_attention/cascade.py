@@ -14,11 +14,16 @@ cascade row of DESIGN.md's table). A level is computed by the kernel that suits 
   shared K/V tile is read once per 128 query rows and multiplied on the tensor cores instead of being
   re-read by every request (Note [Shared-segment attention as a prefill-shaped tile]).
 
-Each level writes float32 states into slots of one workspace ``[n_slots, B * Hq, D]`` (a shared level
-one slot per KV split); one launch of the merge kernel then folds all slots into the output. Levels with
-``T == 0`` add no slot; a request that reads no key at all gets ``o = 0``, ``lse = -inf``. The layout
-(slots, splits, tiles) depends on shapes only, and no device value is read on the host for CUDA tensors,
-so a call can be captured in a CUDA graph.
+A level is dense (``[S, Hkv, T, D]``) or paged (a page pool ``[P, page_size, Hkv, D]`` read through a
+block table ``[S, max_pages]``). With ``Q`` query rows per request (drafts) the causal rule applies to
+the last level, the request's own tokens: its row ``i`` sees the positions ``< len - Q + 1 + i``; rows see
+every key of the earlier levels.
+
+Each level writes float32 states straight into slots of one workspace ``[n_slots, B * Q * Hq, D]`` (a
+shared level one slot per KV split); one launch of the merge kernel then folds all slots into the output.
+Levels with no positions add no slot; a request that reads no key at all gets ``o = 0``, ``lse = -inf``.
+The layout (slots, splits, tiles) depends on shapes only, and no device value is read on the host for
+CUDA tensors, so a call can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -27,11 +32,11 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import _dispatch
-from ._constants import FLOAT_DTYPES
+from ._constants import FLOAT_DTYPES, INDEX_DTYPES
 from ._dispatch import use_triton
 from ._validate import (check_bool, check_head_dim, check_index_tensor, check_sm_scale, check_tensor,
                         check_unit_stride, resolve_sm_scale)
-from .decode import flash_decode
+from .decode import MAX_Q_ROWS, flash_decode
 from .heuristics import num_sms, prefix_plan
 from .state import AttentionState, merge_states
 
@@ -42,25 +47,43 @@ class CascadeLevel(NamedTuple):
     """One level of a cascade KV cache.
 
     ``k``, ``v``: ``[S, Hkv, T, D]`` (HND; unit stride in D), the ``S`` segments of this level, q's dtype
-    and device. ``seq_lens``: ``[S]`` int32/int64, valid length of each segment (``None``: all ``T``).
-    ``segment_ids``: ``[B]`` int32/int64, the segment each request reads; ``None`` when ``S == 1`` (every
-    request reads it) or ``S == B`` (request ``b`` reads segment ``b``).
+    and device; or, with ``block_table``, page pools ``[P, page_size, Hkv, D]`` (the vLLM / FlashInfer
+    layout). ``seq_lens``: ``[S]`` int32/int64, valid length of each segment (``None``: all ``T``;
+    required with ``block_table``). ``segment_ids``: ``[B]`` int32/int64, the segment each request reads;
+    ``None`` when ``S == 1`` (every request reads it) or ``S == B`` (request ``b`` reads segment ``b``).
+    ``block_table``: ``[S, max_pages]`` int32: position ``p`` of segment ``s`` lives in page
+    ``block_table[s, p // page_size]``, slot ``p % page_size``.
     """
 
     k: torch.Tensor
     v: torch.Tensor
     seq_lens: Optional[torch.Tensor] = None
     segment_ids: Optional[torch.Tensor] = None
+    block_table: Optional[torch.Tensor] = None
 
 
 # Kinds of level (how its segments are read).
 _PER_REQUEST, _SHARED_ALL, _SEGMENTS = "per_request", "shared_all", "segments"
 
 
+class _Level(NamedTuple):
+    """A validated level: its kind, segment count and capacity (``max_pages * page_size`` when paged)."""
+
+    lvl: CascadeLevel
+    kind: str
+    n_seg: int
+    t_max: int
+
+
 def _validate(q, levels, sm_scale, return_lse) -> list:
-    check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
+    check_tensor("q", q, dtypes=FLOAT_DTYPES)
+    if q.dim() not in (3, 4):
+        raise ValueError(f"q must have 3 dims [B, Hq, D] or 4 dims [B, Q, Hq, D], got shape {tuple(q.shape)}")
     check_unit_stride("q", q)
-    b, hq, d = q.shape
+    b, hq, d = q.shape[0], q.shape[-2], q.shape[-1]
+    q_rows = q.shape[1] if q.dim() == 4 else 1
+    if not 1 <= q_rows <= MAX_Q_ROWS:
+        raise ValueError(f"q must have 1 to {MAX_Q_ROWS} query rows per request in dim 1, got {q_rows}")
     check_head_dim(d)
     if isinstance(levels, CascadeLevel):
         raise TypeError("levels must be a list or tuple of CascadeLevel, got one CascadeLevel (wrap it in a list)")
@@ -68,7 +91,7 @@ def _validate(q, levels, sm_scale, return_lse) -> list:
         raise TypeError(f"levels must be a list or tuple of CascadeLevel, got {type(levels).__name__}")
     if len(levels) == 0:
         raise ValueError("levels must hold at least one CascadeLevel, got none")
-    kinds, hkv0 = [], None
+    out, hkv0 = [], None
     for i, lvl in enumerate(levels):
         name = f"levels[{i}]"
         if not isinstance(lvl, CascadeLevel):
@@ -82,37 +105,52 @@ def _validate(q, levels, sm_scale, return_lse) -> list:
         k, v = lvl.k, lvl.v
         if v.shape != k.shape:
             raise ValueError(f"{name}.v must have {name}.k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
-        n_seg, hkv, t_max, dk = k.shape
+        paged = lvl.block_table is not None
+        if paged:
+            n_pages, page_size, hkv, dk = k.shape
+            check_tensor(f"{name}.block_table", lvl.block_table, dtypes=INDEX_DTYPES, ndim=2, device=q.device)
+            n_seg, t_max = lvl.block_table.shape[0], lvl.block_table.shape[1] * page_size
+            if lvl.seq_lens is None:
+                raise ValueError(f"{name}.seq_lens must be given with {name}.block_table")
+        else:
+            n_seg, hkv, t_max, dk = k.shape
         if n_seg < 1:
-            raise ValueError(f"{name}.k must have at least one segment in dim 0, got shape {tuple(k.shape)}")
+            raise ValueError(f"{name} must have at least one segment, got shape {tuple(k.shape)}"
+                             + (f" and block_table {tuple(lvl.block_table.shape)}" if paged else ""))
         if dk != d:
-            raise ValueError(f"{name}.k must have head dim {d} (q.shape[2]) in dim 3, got shape {tuple(k.shape)}")
+            raise ValueError(f"{name}.k must have head dim {d} (q.shape[-1]) in dim 3, got shape {tuple(k.shape)}")
         if hkv0 is None:
             hkv0 = hkv
             if hkv < 1 or hq % hkv != 0:
                 raise ValueError(f"q heads ({hq}) must be a multiple of the KV heads of {name}.k ({hkv})")
         elif hkv != hkv0:
-            raise ValueError(f"{name}.k must have {hkv0} KV heads in dim 1 (as levels[0].k), "
-                             f"got shape {tuple(k.shape)}")
+            raise ValueError(f"{name}.k must have {hkv0} KV heads (as levels[0].k), got shape {tuple(k.shape)}")
         if lvl.seq_lens is not None:
             check_index_tensor(f"{name}.seq_lens", lvl.seq_lens, n_seg, q.device, lo=0, hi=t_max,
-                               hi_name=f"{name}.k.shape[2]")
+                               hi_name="its capacity" if paged else f"{name}.k.shape[2]")
+        if paged and not lvl.block_table.is_cuda:
+            used = torch.arange(lvl.block_table.shape[1])[None, :] * page_size < lvl.seq_lens.long()[:, None]
+            pages = lvl.block_table[used]
+            if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= n_pages):
+                raise ValueError(f"{name}.block_table must hold pages in [0, {n_pages - 1}] where seq_lens "
+                                 f"reach, got values in [{int(pages.min())}, {int(pages.max())}]")
         ids = lvl.segment_ids
         if ids is None:
             if n_seg == b:
-                kinds.append(_PER_REQUEST)
+                kind = _PER_REQUEST
             elif n_seg == 1:
-                kinds.append(_SHARED_ALL)
+                kind = _SHARED_ALL
             else:
-                raise ValueError(f"{name}.segment_ids is None, so {name}.k must have 1 or B = {b} segments in "
-                                 f"dim 0, got {n_seg}")
+                raise ValueError(f"{name}.segment_ids is None, so {name} must have 1 or B = {b} segments, "
+                                 f"got {n_seg}")
         else:
             check_index_tensor(f"{name}.segment_ids", ids, b, q.device, lo=0, hi=n_seg - 1,
-                               hi_name=f"{name}.k has {n_seg} segments")
-            kinds.append(_SEGMENTS)
+                               hi_name=f"{name} has {n_seg} segments")
+            kind = _SEGMENTS
+        out.append(_Level(lvl, kind, n_seg, t_max))
     check_sm_scale(sm_scale)
     check_bool("return_lse", return_lse)
-    return kinds
+    return out
 
 
 def cascade_decode(q, levels, *, sm_scale=None, return_lse=False, _num_splits=None, _config=None):
@@ -124,18 +162,19 @@ def cascade_decode(q, levels, *, sm_scale=None, return_lse=False, _num_splits=No
     (Note [Cascade attention]).
 
     Args:
-        q: ``[B, Hq, D]`` float16, bfloat16 or float32; last dim contiguous; ``D`` a multiple of 8 in
+        q: ``[B, Hq, D]``, or ``[B, Q, Hq, D]`` (``Q <= 16`` new tokens per request, the causal rule on
+            the last level), float16, bfloat16 or float32; last dim contiguous; ``D`` a multiple of 8 in
             ``[32, 256]``.
         levels: non-empty list of :class:`CascadeLevel`; every level has q's dtype, device, head dim and
             the same ``Hkv`` (``Hq % Hkv == 0``: query head ``h`` reads KV head ``h // (Hq // Hkv)``).
-            ``seq_lens`` and ``segment_ids`` are checked on the host for CPU tensors; on the GPU
-            they are clamped to their range.
+            ``seq_lens``, ``segment_ids`` and the used pages of ``block_table`` are checked on the host
+            for CPU tensors; on the GPU they are clamped to their range.
         sm_scale: score scale (default ``1 / sqrt(D)``).
         return_lse: also return the natural-log LSE.
 
     Returns:
-        ``o [B, Hq, D]`` in q's dtype, or ``AttentionState(o, lse [B, Hq] float32, natural log)`` with
-        ``return_lse=True``. A request whose segments are all empty gets ``o = 0``, ``lse = -inf``. CUDA
+        ``o`` of q's shape and dtype, or ``AttentionState(o, lse of shape q.shape[:-1] float32, natural
+        log)`` with ``return_lse=True``. A row that reads no key gets ``o = 0``, ``lse = -inf``. CUDA
         tensors run the Triton kernels (no host sync); CPU tensors run them under ``TRITON_INTERPRET=1``,
         else the float32 torch path.
 
@@ -145,59 +184,70 @@ def cascade_decode(q, levels, *, sm_scale=None, return_lse=False, _num_splits=No
     >>> cascade_decode(q, [prefix, suffix], return_lse=True).lse.shape
     torch.Size([3, 8])
     """
-    kinds = _validate(q, levels, sm_scale, return_lse)
-    b, hq, d = q.shape
-    scale = resolve_sm_scale(sm_scale, d)
-    # Levels without keys add nothing to any request.
-    work = [(lvl, kind) for lvl, kind in zip(levels, kinds) if lvl.k.shape[2] > 0]
+    checked = _validate(q, levels, sm_scale, return_lse)
+    scale = resolve_sm_scale(sm_scale, q.shape[-1])
+    last = checked[-1]
+    # Levels without positions add nothing to any request.
+    work = [lv for lv in checked if lv.t_max > 0]
     if not use_triton(q):
-        st = _cascade_torch(q, work, scale)
-    elif b * hq == 0 or not work:
-        st = AttentionState.empty((b, hq), d, dtype=q.dtype, device=q.device)
+        st = _cascade_torch(q, work, last, scale)
+    elif q.numel() == 0 or not work:
+        st = AttentionState.empty(tuple(q.shape[:-1]), q.shape[-1], dtype=q.dtype, device=q.device)
     else:
-        st = _cascade_triton(q, work, scale, _num_splits, _config)
+        st = _cascade_triton(q, work, last, scale, _num_splits, _config)
     return st if return_lse else st.o
 
 
-def _cascade_triton(q, work, scale, fixed_splits, config) -> AttentionState:
+def _all_visible(q, t_max):
+    """Row limits that let every query row see every position (a level that is not the last)."""
+    return torch.full((q.shape[0], q.shape[1]), t_max, dtype=torch.int32, device=q.device)
+
+
+def _cascade_triton(q, work, last, scale, fixed_splits, config) -> AttentionState:
     from .ops.merge import merge_states_into
     from .ops.prefix import prefix_attention
 
-    b, hq, d = q.shape
-    hkv = work[0][0].k.shape[1]
+    b, hq, d = q.shape[0], q.shape[-2], q.shape[-1]
+    q_rows = q.shape[1] if q.dim() == 4 else 1
+    lvl0 = work[0].lvl
+    hkv = lvl0.k.shape[2] if lvl0.block_table is not None else lvl0.k.shape[1]
     group = hq // hkv
     sms = num_sms(q.device)
-    plans = []  # (level, kind, PrefixPlan, or None for a per-request level)
-    for lvl, kind in work:
-        if kind == _PER_REQUEST:
-            plans.append((lvl, kind, None))
+    plans = []  # PrefixPlan, or None for a per-request level
+    for lv in work:
+        if lv.kind == _PER_REQUEST:
+            plans.append(None)
             continue
-        n_seg, t_max = lvl.k.shape[0], lvl.k.shape[2]
         # Segments read by some request: at most min(S, B); 1 when every request reads the one segment.
-        n_read = 1 if kind == _SHARED_ALL else min(n_seg, b)
-        plans.append((lvl, kind, prefix_plan(b, group, hkv, n_read, t_max, d, q.dtype, sms, fixed_splits,
-                                             config)))
+        n_read = 1 if lv.kind == _SHARED_ALL else min(lv.n_seg, b)
+        plans.append(prefix_plan(b, q_rows * group, hkv, n_read, lv.t_max, d, q.dtype, sms, fixed_splits, config))
 
-    n_slots = sum(1 if p is None else p.num_splits for _, _, p in plans)
-    o_all = _dispatch.new_buffer((n_slots, b * hq, d), torch.float32, q.device)
-    lse_all = _dispatch.new_buffer((n_slots, b * hq), torch.float32, q.device)
+    rows = q.numel() // d  # B * Q * Hq
+    n_slots = sum(1 if p is None else p.num_splits for p in plans)
+    o_all = _dispatch.new_buffer((n_slots, rows, d), torch.float32, q.device)
+    lse_all = _dispatch.new_buffer((n_slots, rows), torch.float32, q.device)
     slot = 0
-    for lvl, kind, plan in plans:
+    for lv, plan in zip(work, plans):
+        lvl, paged = lv.lvl, lv.lvl.block_table is not None
+        layout = "NHD" if paged else "HND"
+        causal = lv is last
         if plan is None:  # the level's fp32 state goes straight into its slot, unrounded
-            flash_decode(q, lvl.k, lvl.v, lvl.seq_lens, sm_scale=scale,
-                         out=AttentionState(o_all[slot].view(b, hq, d), lse_all[slot].view(b, hq)))
+            limits = _all_visible(q, lv.t_max) if q_rows > 1 and not causal else None
+            flash_decode(q, lvl.k, lvl.v, lvl.seq_lens, block_table=lvl.block_table, kv_layout=layout,
+                         sm_scale=scale, out=AttentionState(o_all[slot].view(q.shape), lse_all[slot].view(q.shape[:-1])),
+                         _row_limits=limits)
             slot += 1
             continue
         perm = tiles = None
-        if kind == _SEGMENTS:
-            perm, tiles = _tile_table(lvl.segment_ids, lvl.k.shape[0], group, plan.config.block_m, plan.n_tiles)
+        if lv.kind == _SEGMENTS:
+            perm, tiles = _tile_table(lvl.segment_ids, lv.n_seg, q_rows * group, plan.config.block_m, plan.n_tiles)
         end = slot + plan.num_splits
-        prefix_attention(q, lvl.k, lvl.v, lvl.seq_lens, perm, tiles, o_all[slot:end], lse_all[slot:end],
-                         sm_scale=scale, plan=plan)
+        prefix_attention(q, lvl.k, lvl.v, lvl.seq_lens, lvl.block_table, perm, tiles, o_all[slot:end],
+                         lse_all[slot:end], sm_scale=scale, plan=plan, kv_layout=layout, causal=causal)
         slot = end
-    o = _dispatch.new_buffer((b, hq, d), q.dtype, q.device)
-    lse = _dispatch.new_buffer((b, hq), torch.float32, q.device)
-    merge_states_into(o_all, lse_all, o.view(b * hq, d), lse.view(b * hq))
+    o = _dispatch.new_buffer(tuple(q.shape), q.dtype, q.device)
+    lse = _dispatch.new_buffer(tuple(q.shape[:-1]), torch.float32, q.device)
+    merge_states_into(o_all, lse_all, o.view(rows, d), lse.view(rows))
     return AttentionState(o, lse)
 
 
@@ -205,9 +255,9 @@ def _tile_table(segment_ids, n_seg, group, block_m, n_tiles):
     """Requests sorted by segment (``perm [B]`` int64) and the row-tile table ``[n_tiles, 3]`` int32 of
     (segment, first segment-sorted row, valid rows), built with device ops only (no host sync).
 
-    Rows are numbered request-major in the sorted order (``row = sorted position * group + head``); a
-    segment's ``count * group`` rows are cut into ``ceil(rows / block_m)`` tiles; tiles past the total have
-    0 valid rows.
+    Rows are numbered request-major in the sorted order (``row = sorted position * group + row in the
+    request``, ``group`` rows per request and KV head); a segment's ``count * group`` rows are cut into
+    ``ceil(rows / block_m)`` tiles; tiles past the total have 0 valid rows.
     """
     dev = segment_ids.device
     seg = segment_ids.long().clamp(0, n_seg - 1)
@@ -226,22 +276,29 @@ def _tile_table(segment_ids, n_seg, group, block_m, n_tiles):
     return perm, torch.stack([t_seg, row0, n_rows], dim=1).to(torch.int32)
 
 
-def _cascade_torch(q, work, scale) -> AttentionState:
-    """The float32 torch path: each level gathered per request, attended by the reference, merged by ⊕."""
-    from .reference import attention
+def _cascade_torch(q, work, last, scale) -> AttentionState:
+    """The float32 torch path: each level gathered per request, attended by the reference (the causal rule
+    on the last level only), merged by ⊕."""
+    from .reference import attention, paged_to_dense
 
-    b, hq, d = q.shape
+    b = q.shape[0]
+    q_rows = q.shape[1] if q.dim() == 4 else 1
     states = []
-    for lvl, kind in work:
-        if kind == _PER_REQUEST:
+    for lv in work:
+        lvl = lv.lvl
+        if lv.kind == _PER_REQUEST:
             idx = torch.arange(b, device=q.device)
-        elif kind == _SHARED_ALL:
+        elif lv.kind == _SHARED_ALL:
             idx = torch.zeros(b, dtype=torch.long, device=q.device)
         else:
             idx = lvl.segment_ids.long()
+        k, v = lvl.k, lvl.v
+        if lvl.block_table is not None:  # [S, T, Hkv, D] -> [S, Hkv, T, D]
+            k, v = (paged_to_dense(t, lvl.block_table, "NHD").transpose(1, 2) for t in (k, v))
         seq = lvl.seq_lens[idx] if lvl.seq_lens is not None else None
-        states.append(attention(q, lvl.k[idx], lvl.v[idx], seq, sm_scale=scale))
+        limits = _all_visible(q, lv.t_max) if q_rows > 1 and lv is not last else None
+        states.append(attention(q, k[idx], v[idx], seq, sm_scale=scale, row_limits=limits))
     if not states:
-        return AttentionState.empty((b, hq), d, dtype=q.dtype, device=q.device)
+        return AttentionState.empty(tuple(q.shape[:-1]), q.shape[-1], dtype=q.dtype, device=q.device)
     st = merge_states(torch.stack([s.o for s in states]), torch.stack([s.lse for s in states]))
     return AttentionState(st.o.to(q.dtype), st.lse)

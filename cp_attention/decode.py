@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 from . import _dispatch
-from ._constants import FLOAT_DTYPES
+from ._constants import FLOAT_DTYPES, INDEX_DTYPES
 from ._dispatch import use_triton
 from ._validate import (check_bool, check_head_dim, check_index_tensor, check_kv_layout, check_sm_scale,
                         check_tensor, check_unit_stride)
@@ -30,11 +30,33 @@ from .state import AttentionState
 __all__ = ["flash_decode"]
 
 
-def check_decode_args(q, k, v, seq_lens, *, num_splits=None, kv_layout="HND", plan=None, out=None):
-    """Validate :func:`flash_decode`'s tensor arguments; returns ``(Hkv, T_max)``."""
-    check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
+MAX_Q_ROWS = 16
+
+
+class CacheGeometry(NamedTuple):
+    """What :func:`check_decode_args` found: KV heads, capacity ``T_max`` (``max_pages * page_size`` for a
+    page pool), query rows per request, page size (0: dense) and pages in the pool."""
+
+    hkv: int
+    t_max: int
+    q_rows: int
+    page_size: int
+    num_pages: int
+
+
+def check_decode_args(q, k, v, seq_lens, *, block_table=None, num_splits=None, kv_layout="HND", plan=None,
+                      out=None, row_limits=None) -> CacheGeometry:
+    """Validate :func:`flash_decode`'s tensor arguments (shapes, dtypes, devices, strides; index values of
+    host tensors)."""
+    check_tensor("q", q, dtypes=FLOAT_DTYPES)
+    if q.dim() not in (3, 4):
+        raise ValueError(f"q must have 3 dims [B, Hq, D] or 4 dims [B, Q, Hq, D], got shape {tuple(q.shape)}")
     check_unit_stride("q", q)
     check_kv_layout(kv_layout)
+    b, hq, d = q.shape[0], q.shape[-2], q.shape[-1]
+    q_rows = q.shape[1] if q.dim() == 4 else 1
+    if not 1 <= q_rows <= MAX_Q_ROWS:
+        raise ValueError(f"q must have 1 to {MAX_Q_ROWS} query rows per request in dim 1, got {q_rows}")
     for name, t in (("k", k), ("v", v)):
         check_tensor(name, t, ndim=4, device=q.device)
         if t.dtype != q.dtype:
@@ -42,18 +64,44 @@ def check_decode_args(q, k, v, seq_lens, *, num_splits=None, kv_layout="HND", pl
         check_unit_stride(name, t)
     if k.shape != v.shape:
         raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
-    b, hq, d = q.shape
-    hkv, t_max = (k.shape[1], k.shape[2]) if kv_layout == "HND" else (k.shape[2], k.shape[1])
-    if k.shape[0] != b:
-        raise ValueError(f"k must have batch {b} (q.shape[0]) in dim 0, got shape {tuple(k.shape)}")
     if k.shape[3] != d:
-        raise ValueError(f"k must have head dim {d} (q.shape[2]) in dim 3, got shape {tuple(k.shape)}")
+        raise ValueError(f"k must have head dim {d} (q.shape[-1]) in dim 3, got shape {tuple(k.shape)}")
     check_head_dim(d)
+    paged = block_table is not None
+    # dense: [B, Hkv, T, D] / [B, T, Hkv, D]; paged: [pages, Hkv, page, D] / [pages, page, Hkv, D]
+    hkv, t_dim = (k.shape[1], 2) if kv_layout == "HND" else (k.shape[2], 1)
     if hkv < 1 or hq < 1 or hq % hkv != 0:
         raise ValueError(f"q heads ({hq}) must be a positive multiple of the KV heads of k ({hkv}) for "
                          f"kv_layout={kv_layout}")
+    if paged:
+        check_tensor("block_table", block_table, dtypes=INDEX_DTYPES, ndim=2, device=q.device)
+        if block_table.shape[0] != b:
+            raise ValueError(f"block_table must have batch {b} (q.shape[0]) in dim 0, got shape "
+                             f"{tuple(block_table.shape)}")
+        if seq_lens is None:
+            raise ValueError("seq_lens must be given with block_table (a page pool has no length of its own)")
+        page_size, num_pages = k.shape[t_dim], k.shape[0]
+        if page_size < 1 or num_pages < 1:
+            raise ValueError(f"k must be a page pool with at least one page of at least one slot, got shape "
+                             f"{tuple(k.shape)}")
+        t_max = block_table.shape[1] * page_size
+    else:
+        if k.shape[0] != b:
+            raise ValueError(f"k must have batch {b} (q.shape[0]) in dim 0, got shape {tuple(k.shape)}")
+        page_size, num_pages, t_max = 0, 0, k.shape[t_dim]
     if seq_lens is not None:
-        check_index_tensor("seq_lens", seq_lens, b, q.device, lo=0, hi=t_max, hi_name="T_max")
+        check_index_tensor("seq_lens", seq_lens, b, q.device, lo=0, hi=t_max,
+                           hi_name="max_pages * page_size" if paged else "T_max")
+    if paged and not block_table.is_cuda and b > 0:
+        used = torch.arange(block_table.shape[1])[None, :] * page_size < seq_lens.long()[:, None]
+        pages = block_table[used]
+        if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= num_pages):
+            raise ValueError(f"block_table must hold pages in [0, {num_pages - 1}] (k has {num_pages} pages) "
+                             f"where seq_lens reach, got values in [{int(pages.min())}, {int(pages.max())}]")
+    if row_limits is not None:
+        check_tensor("row_limits", row_limits, dtypes=INDEX_DTYPES, ndim=2, device=q.device)
+        if tuple(row_limits.shape) != (b, q_rows):
+            raise ValueError(f"row_limits must have shape [{b}, {q_rows}], got {tuple(row_limits.shape)}")
     if num_splits is not None:
         if not isinstance(num_splits, numbers.Integral) or isinstance(num_splits, bool):
             raise TypeError(f"num_splits must be an int or None, got {num_splits!r}")
@@ -74,7 +122,7 @@ def check_decode_args(q, k, v, seq_lens, *, num_splits=None, kv_layout="HND", pl
             check_tensor("out.lse", lse_out, dtypes=(torch.float32,), device=q.device)
             if lse_out.shape != q.shape[:-1]:
                 raise ValueError(f"out.lse must have shape {tuple(q.shape[:-1])}, got {tuple(lse_out.shape)}")
-    return hkv, t_max
+    return CacheGeometry(hkv, t_max, q_rows, page_size, num_pages)
 
 
 def _unpack_out(out):
@@ -90,7 +138,6 @@ class _Prepared(NamedTuple):
     launcher: object
     int_args: tuple  # the kernel's arguments after sm_scale
     default_scale: float
-    o_shape: tuple
     lse_shape: tuple
     work_floats: int
     counters: int
@@ -100,27 +147,48 @@ _PREPARED: dict = {}
 _MAX_PREPARED = 4096
 
 
-def _prepare(q, k, v, seq_lens, num_splits, kv_layout, plan, o, lse, hkv, t_max) -> _Prepared:
+def _bqh(strides, multi: bool) -> tuple:
+    """(batch, row, head) strides from the strides of ``[B, Q, H, ...]``, or of ``[B, H, ...]`` (row 0)."""
+    return (strides[0], strides[1], strides[2]) if multi else (strides[0], 0, strides[1])
+
+
+def _contiguous_strides(shape) -> tuple:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def _prepare(q, k, v, seq_lens, block_table, row_limits, num_splits, kv_layout, plan, o, lse,
+             geo: CacheGeometry) -> _Prepared:
     from .ops._launch import Launcher
     from .ops.split_kv import _split_kv_kernel, split_kv_launch_config, workspace_floats
 
-    b, hq, d = q.shape
+    b, hq, d = q.shape[0], q.shape[-2], q.shape[-1]
+    multi = q.dim() == 4
     if plan is None:
-        plan = decode_plan(b, hkv, t_max, d, q.dtype, num_sms(q.device), num_splits)
+        plan = decode_plan(b, geo.hkv, geo.t_max, d, q.dtype, num_sms(q.device), num_splits)
     ks, vs = k.stride(), v.stride()
-    if kv_layout == "NHD":  # [B, T, Hkv, D] read as [B, Hkv, T, D]
+    # The kernel reads k/v through (batch or page, KV head, position or slot) strides.
+    if kv_layout == "NHD":
         ks, vs = (ks[0], ks[2], ks[1]), (vs[0], vs[2], vs[1])
-    constexprs, options = split_kv_launch_config(q.dtype, hq, hkv, d, plan, seq_lens is not None)
-    grid = (b * hkv, plan.num_splits)
+    constexprs, options, tiling = split_kv_launch_config(
+        q.dtype, hq // geo.hkv, geo.q_rows, d, plan, has_seq_lens=seq_lens is not None, page_size=geo.page_size,
+        causal=geo.q_rows > 1 and row_limits is None, row_limits=row_limits is not None)
+    grid = (b * geo.hkv * tiling.n_rt, plan.num_splits)
     launcher = Launcher(_split_kv_kernel, grid, constexprs, device=q.get_device() if q.is_cuda else None,
                         **options)
-    lse_strides = lse.stride() if lse is not None else (hq, 1)
-    o_strides = o.stride() if o is not None else (hq * d, d)
-    int_args = (t_max, plan.tiles_per_split, plan.num_splits, hkv, q.stride(0), q.stride(1),
-                ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], o_strides[0], o_strides[1],
-                lse_strides[0], lse_strides[1], seq_lens.stride(0) if seq_lens is not None else 0)
-    return _Prepared(plan, launcher, int_args, 1.0 / math.sqrt(d), (b, hq, d), (b, hq),
-                     workspace_floats(b, hkv, hq // hkv, d, plan.num_splits), b * hkv)
+    lse_shape = tuple(q.shape[:-1])
+    o_strides = _bqh(o.stride() if o is not None else _contiguous_strides(q.shape), multi)
+    lse_strides = _bqh(lse.stride() if lse is not None else _contiguous_strides(lse_shape), multi)
+    int_args = (geo.t_max, plan.tiles_per_split, plan.num_splits, geo.hkv, geo.num_pages,
+                *_bqh(q.stride(), multi), ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], *o_strides, *lse_strides,
+                seq_lens.stride(0) if seq_lens is not None else 0,
+                *(block_table.stride() if block_table is not None else (0, 0)),
+                *(row_limits.stride() if row_limits is not None else (0, 0)))
+    return _Prepared(plan, launcher, int_args, 1.0 / math.sqrt(d), lse_shape,
+                     workspace_floats(b, geo.hkv, tiling, d, plan.num_splits), b * geo.hkv * tiling.n_rt)
 
 
 class _Scratch:
@@ -165,45 +233,59 @@ def _scratch(device: torch.device) -> _Scratch:
     return s
 
 
-def _key(q, k, v, seq_lens, num_splits, kv_layout, plan, out):
-    sig = (q.shape, q.stride(), q.dtype, q.get_device(), q.data_ptr() & 15,
-           k.shape, k.stride(), k.dtype, k.get_device(), k.data_ptr() & 15,
-           v.shape, v.stride(), v.dtype, v.get_device(), v.data_ptr() & 15, num_splits, kv_layout, plan)
-    if seq_lens is not None:
-        sig += (seq_lens.shape, seq_lens.stride(), seq_lens.dtype, seq_lens.get_device(), seq_lens.data_ptr() & 15)
+def _sig(t) -> tuple:
+    return (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() & 15)
+
+
+def _key(q, k, v, seq_lens, block_table, row_limits, num_splits, kv_layout, plan, out):
+    sig = (*_sig(q), *_sig(k), *_sig(v), num_splits, kv_layout, plan)
+    for t in (seq_lens, block_table, row_limits):
+        sig += (None,) if t is None else _sig(t)
     if out is not None:
         o, lse = (out, None) if isinstance(out, torch.Tensor) else out
-        sig += (o.shape, o.stride(), o.dtype, o.get_device(), o.data_ptr() & 15)
-        if lse is not None:
-            sig += (lse.shape, lse.stride(), lse.get_device(), lse.data_ptr() & 15)
+        sig += _sig(o) + ((None,) if lse is None else _sig(lse))
     return sig
 
 
-def flash_decode(q, k, v, seq_lens=None, *, sm_scale=None, num_splits=None, kv_layout="HND",
-                 return_lse=False, out=None, plan=None):
-    """Exact decode attention of one query per head over a KV cache (Flash-Decoding, one launch).
+def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num_splits=None, kv_layout="HND",
+                 return_lse=False, out=None, plan=None, _row_limits=None):
+    """Exact decode attention over a KV cache, dense or paged, for one or a few new tokens per request
+    (Flash-Decoding, one launch).
 
     Args:
-        q: ``[B, Hq, D]`` float16, bfloat16 or float32; last dim contiguous.
-        k, v: ``[B, Hkv, T_max, D]`` (``kv_layout="HND"``) or ``[B, T_max, Hkv, D]`` (``"NHD"``), q's dtype
-            and device; any strides (a slice of a larger cache is fine) but a contiguous last dim.
-            ``Hq % Hkv == 0``: query head ``h`` reads KV head ``h // (Hq // Hkv)``. ``D`` is a multiple of
-            8 in ``[32, 256]``. Positions past a sequence's length are never read (they may hold garbage).
-        seq_lens: ``[B]`` int32/int64 on q's device, any stride, ``0 <= len <= T_max`` (``None``: all
-            ``T_max``). Values are checked on the host for CPU tensors; on the GPU they are clamped.
+        q: ``[B, Hq, D]`` (one new token per request) or ``[B, Q, Hq, D]`` (``1 <= Q <= 16`` new tokens per
+            request: speculative-decoding drafts, MTP), float16, bfloat16 or float32; last dim contiguous.
+            The ``Q`` new tokens are the last ``Q`` keys of the cache: row ``i`` of request ``b`` attends
+            the positions ``p < seq_lens[b] - Q + 1 + i`` (causal among the new rows); a row that sees no
+            key gets ``o = 0``, ``lse = -inf``.
+        k, v: a dense cache ``[B, Hkv, T_max, D]`` (``kv_layout="HND"``) or ``[B, T_max, Hkv, D]``
+            (``"NHD"``); with ``block_table``, page pools ``[num_pages, Hkv, page_size, D]`` (``"HND"``) or
+            ``[num_pages, page_size, Hkv, D]`` (``"NHD"``: the vLLM / FlashInfer layout), any
+            ``page_size >= 1``. q's dtype and device; any strides (a slice of a larger cache, or ``k``/``v``
+            as views of one ``[num_pages, 2, ...]`` tensor) with a contiguous last dim. ``Hq % Hkv == 0``:
+            query head ``h`` reads KV head ``h // (Hq // Hkv)``. ``D`` is a multiple of 8 in ``[32, 256]``.
+            Positions past a sequence's length are never read (they may hold garbage).
+        seq_lens: ``[B]`` int32/int64 on q's device, any stride, ``0 <= len <= T_max`` (``max_pages *
+            page_size`` for a page pool, where it is required; ``None``: all ``T_max``). Values are checked
+            on the host for CPU tensors; on the GPU they are clamped.
+        block_table: ``[B, max_pages]`` int32 (any strides): token ``p`` of request ``b`` lives in page
+            ``block_table[b, p // page_size]``, slot ``p % page_size``. The pages that ``seq_lens`` reach
+            are checked to lie in the pool for CPU tensors; on the GPU they are clamped into it.
         sm_scale: score scale (default ``1 / sqrt(D)``).
         num_splits: ``None`` for the tuned policy (decided from shapes and ``T_max``), or a fixed count
             (``1`` = no split; capped at the number of KV tiles).
         return_lse: also return the natural-log LSE.
-        out: where to write: a tensor ``[B, Hq, D]`` (q's dtype or float32, unit stride in D), or an
-            ``AttentionState(o, lse [B, Hq] float32)``; any strides. Then no output is allocated.
+        out: where to write: a tensor of q's shape (q's dtype or float32, unit stride in D), or an
+            ``AttentionState(o, lse of shape q.shape[:-1] float32)``; any strides. Then no output is
+            allocated.
         plan: a :class:`cp_attention.heuristics.DecodePlan` to run instead of the policy's.
 
     Returns:
-        ``o [B, Hq, D]`` in q's dtype (or ``out``'s), or ``AttentionState(o, lse [B, Hq] float32, natural
-        log)`` with ``return_lse=True``. An empty sequence gives ``o = 0``, ``lse = -inf``. CUDA tensors
-        run the Triton kernel (no host sync: it can be captured in a CUDA graph); CPU tensors run it
-        under ``TRITON_INTERPRET=1``, else the float32 torch path. See Note [The decode hot path].
+        ``o`` of q's shape in q's dtype (or ``out``'s), or ``AttentionState(o, lse of shape q.shape[:-1]
+        float32, natural log)`` with ``return_lse=True``. An empty sequence gives ``o = 0``, ``lse =
+        -inf``. CUDA tensors run the Triton kernel (no host sync: it can be captured in a CUDA graph); CPU
+        tensors run it under ``TRITON_INTERPRET=1``, else the float32 torch path. See Note [The decode hot
+        path].
 
     >>> q, k = torch.randn(2, 8, 64), torch.randn(2, 2, 100, 64)
     >>> flash_decode(q, k, k, torch.tensor([100, 7]), return_lse=True).lse.shape
@@ -212,19 +294,21 @@ def flash_decode(q, k, v, seq_lens=None, *, sm_scale=None, num_splits=None, kv_l
     prep = key = None
     if q.__class__ is torch.Tensor and q.is_cuda:
         try:
-            key = _key(q, k, v, seq_lens, num_splits, kv_layout, plan, out)
+            key = _key(q, k, v, seq_lens, block_table, _row_limits, num_splits, kv_layout, plan, out)
             prep = _PREPARED.get(key)
         except (AttributeError, TypeError):  # not tensors: the full checks below say what is wrong
             key = None
     o_out, lse_out = (None, None) if out is None else (out, None) if isinstance(out, torch.Tensor) else out
     if prep is None:
         check_bool("return_lse", return_lse)
-        hkv, t_max = check_decode_args(q, k, v, seq_lens, num_splits=num_splits, kv_layout=kv_layout,
-                                       plan=plan, out=out)
+        geo = check_decode_args(q, k, v, seq_lens, block_table=block_table, num_splits=num_splits,
+                                kv_layout=kv_layout, plan=plan, out=out, row_limits=_row_limits)
         check_sm_scale(sm_scale)
         if not use_triton(q):
-            return _torch_path(q, k, v, seq_lens, sm_scale, kv_layout, return_lse, o_out, lse_out)
-        prep = _prepare(q, k, v, seq_lens, num_splits, kv_layout, plan, o_out, lse_out, hkv, t_max)
+            return _torch_path(q, k, v, seq_lens, block_table, _row_limits, sm_scale, kv_layout, return_lse,
+                               o_out, lse_out)
+        prep = _prepare(q, k, v, seq_lens, block_table, _row_limits, num_splits, kv_layout, plan, o_out, lse_out,
+                        geo)
         if key is not None:
             if len(_PREPARED) >= _MAX_PREPARED:
                 _PREPARED.clear()
@@ -236,24 +320,27 @@ def flash_decode(q, k, v, seq_lens=None, *, sm_scale=None, num_splits=None, kv_l
         scale = float(sm_scale)
     if return_lse is not True and return_lse is not False:
         check_bool("return_lse", return_lse)
-    o = _dispatch.new_buffer(prep.o_shape, q.dtype, q.device) if o_out is None else o_out
+    o = _dispatch.new_buffer(q.shape, q.dtype, q.device) if o_out is None else o_out
     work, counter, scratch_lse = _scratch(q.device).get(q.device, prep.work_floats, prep.counters,
-                                                        prep.lse_shape[0] * prep.lse_shape[1])
+                                                        q.numel() // q.shape[-1])
     if lse_out is not None:
         lse = lse_out
     elif return_lse:
         lse = _dispatch.new_buffer(prep.lse_shape, torch.float32, q.device)
     else:
         lse = scratch_lse
-    if prep.o_shape[0] > 0:
-        prep.launcher(q, k, v, q if seq_lens is None else seq_lens, o, lse, work, counter, scale, *prep.int_args)
+    if q.shape[0] > 0:
+        prep.launcher(q, k, v, q if seq_lens is None else seq_lens, q if block_table is None else block_table,
+                      q if _row_limits is None else _row_limits, o, lse, work, counter, scale, *prep.int_args)
     return AttentionState(o, lse) if return_lse else o
 
 
-def _torch_path(q, k, v, seq_lens, sm_scale, kv_layout, return_lse, o_out, lse_out):
-    from .reference import attention
+def _torch_path(q, k, v, seq_lens, block_table, row_limits, sm_scale, kv_layout, return_lse, o_out, lse_out):
+    from .reference import attention, paged_to_dense
 
-    st = attention(q, k, v, seq_lens, sm_scale=sm_scale, kv_layout=kv_layout)
+    if block_table is not None:
+        k, v = (paged_to_dense(t, block_table, kv_layout) for t in (k, v))
+    st = attention(q, k, v, seq_lens, sm_scale=sm_scale, kv_layout=kv_layout, row_limits=row_limits)
     o = st.o.to(q.dtype if o_out is None else o_out.dtype)
     if o_out is not None:
         o = o_out.copy_(o)

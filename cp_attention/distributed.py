@@ -188,22 +188,24 @@ def _collective_device(group) -> torch.device:
     return torch.device("cpu")
 
 
-def _check_metadata(q, k_shard, v_shard, seq_lens_shard, kwargs, group) -> None:
-    """Validate locally, then all-gather ``(ok, B, Hq, D, dtype, Hkv, sm_scale bits)`` so that an argument
-    rejected on one rank, or shapes that differ across ranks, raise on every rank instead of hanging."""
+def _check_metadata(q, k_shard, v_shard, seq_lens_shard, kwargs, group, row_limits=None) -> None:
+    """Validate locally, then all-gather ``(ok, B, Q, Hq, D, dtype, Hkv, sm_scale bits)`` so that an
+    argument rejected on one rank, or shapes that differ across ranks, raise on every rank instead of
+    hanging."""
     error = None
     try:
-        hkv, _ = check_decode_args(q, k_shard, v_shard, seq_lens_shard, num_splits=kwargs.get("num_splits"),
-                                   kv_layout=kwargs.get("kv_layout", "HND"))
+        geo = check_decode_args(q, k_shard, v_shard, seq_lens_shard, block_table=kwargs.get("block_table"),
+                                num_splits=kwargs.get("num_splits"), kv_layout=kwargs.get("kv_layout", "HND"),
+                                row_limits=row_limits)
         check_sm_scale(kwargs.get("sm_scale"))
-        b, hq, d = q.shape
+        b, hq, d = q.shape[0], q.shape[-2], q.shape[-1]
         scale = kwargs.get("sm_scale")
         scale = 1.0 / math.sqrt(d) if scale is None else scale
         scale_bits = struct.unpack("<q", struct.pack("<d", float(scale)))[0]
-        meta = [1, b, hq, d, _DTYPE_CODES[q.dtype], hkv, scale_bits]
+        meta = [1, b, geo.q_rows, hq, d, _DTYPE_CODES[q.dtype], geo.hkv, scale_bits]
     except (ValueError, TypeError) as exc:
         error = exc
-        meta = [0] * 7
+        meta = [0] * 8
     world = dist.get_world_size(group)
     device = _collective_device(group)
     mine = torch.tensor(meta, dtype=torch.int64, device=device)
@@ -215,7 +217,7 @@ def _check_metadata(q, k_shard, v_shard, seq_lens_shard, kwargs, group) -> None:
     bad = [r for r, row in enumerate(rows) if row[0] == 0]
     if bad:
         raise ValueError(f"cp_flash_decode: rank(s) {bad} rejected their arguments (see their error)")
-    names = ("B", "Hq", "D", "dtype", "Hkv", "sm_scale")
+    names = ("B", "Q", "Hq", "D", "dtype", "Hkv", "sm_scale")
     codes = {c: str(t).replace("torch.", "") for t, c in _DTYPE_CODES.items()}
 
     def describe(row):
@@ -226,8 +228,27 @@ def _check_metadata(q, k_shard, v_shard, seq_lens_shard, kwargs, group) -> None:
 
     if any(row != rows[0] for row in rows):
         detail = "; ".join(f"rank {r}: {describe(row)}" for r, row in enumerate(rows))
-        raise ValueError("cp_flash_decode: q (batch, heads, head dim, dtype), the KV heads of k_shard and "
+        raise ValueError("cp_flash_decode: q (batch, rows, heads, head dim, dtype), the KV heads of k_shard and "
                          f"sm_scale must match on every rank, got {detail}")
+
+
+def _cp_decode(q, k_shard, v_shard, seq_lens_shard, *, group, check_metadata, row_limits, kwargs):
+    """Local attention written unrounded into the exchange buffer, then ⊕ across the ranks."""
+    return_lse = kwargs.pop("return_lse", False)
+    check_bool("return_lse", return_lse)
+    check_bool("check_metadata", check_metadata)
+    if "out" in kwargs:
+        raise TypeError("cp_flash_decode does not take out (the local state goes into the exchange buffer)")
+    if check_metadata:
+        _check_metadata(q, k_shard, v_shard, seq_lens_shard, kwargs, group, row_limits)
+    check_tensor("q", q, dtypes=FLOAT_DTYPES)
+    d = q.shape[-1]
+    # The local state, unrounded fp32 with its lse, is written straight into the buffer that is exchanged.
+    packed = _dispatch.new_buffer(tuple(q.shape[:-1]) + (d + 1,), torch.float32, q.device)
+    flash_decode(q, k_shard, v_shard, seq_lens_shard, out=AttentionState(packed[..., :d], packed[..., d]),
+                 _row_limits=row_limits, **kwargs)
+    merged = _merge_packed(packed, group, q.dtype)
+    return merged if return_lse else merged.o
 
 
 def cp_flash_decode(q, k_shard, v_shard, seq_lens_shard, *, group=None, check_metadata=True,
@@ -236,16 +257,19 @@ def cp_flash_decode(q, k_shard, v_shard, seq_lens_shard, *, group=None, check_me
     unsharded cache (see Note [Context-parallel decode]). Every rank of ``group`` calls it.
 
     Args:
-        q: ``[B, Hq, D]`` float16, bfloat16 or float32; the same query on every rank.
+        q: ``[B, Hq, D]`` float16, bfloat16 or float32; the same query on every rank. (Several query rows
+            need the causal rule in global positions: use :meth:`CPKVCache.decode`.)
         k_shard, v_shard: this rank's shard, ``[B, Hkv, C, D]`` (HND; ``kv_layout="NHD"`` for
-            ``[B, C, Hkv, D]``), q's dtype and device. ``C`` may differ across ranks.
+            ``[B, C, Hkv, D]``), or this rank's page pools with ``block_table=``, q's dtype and device.
+            ``C`` may differ across ranks.
         seq_lens_shard: ``[B]`` int32/int64, valid tokens of this shard (0 for an empty shard), or ``None``.
         group: the process group (default: the world).
         check_metadata: all-gather ``(B, Hq, D, dtype, Hkv, sm_scale)`` first and raise ``ValueError`` on
             every rank if they differ or if any rank rejected its arguments (instead of a hang or a wrong
             merge). It syncs with the host: pass ``False`` on the hot path and inside CUDA graphs.
-        **flash_decode_kwargs: ``sm_scale``, ``num_splits``, ``kv_layout``, ``return_lse`` as in
-            :func:`flash_decode` (``sm_scale`` must be the same on every rank).
+        **flash_decode_kwargs: ``block_table``, ``sm_scale``, ``num_splits``, ``kv_layout``, ``return_lse``
+            as in :func:`flash_decode` (``sm_scale`` must be the same on every rank; ``block_table`` is
+            this rank's).
 
     Returns:
         ``o [B, Hq, D]`` in q's dtype, or ``AttentionState(o, lse [B, Hq] float32, natural log)`` with
@@ -256,44 +280,42 @@ def cp_flash_decode(q, k_shard, v_shard, seq_lens_shard, *, group=None, check_me
     >>> ks, vs, lens = shard_kv(k, v, seq_lens, dist.get_rank(), dist.get_world_size())
     >>> o = cp_flash_decode(q, ks, vs, lens)          # == flash_decode(q, k, v, seq_lens)
     """
-    return_lse = flash_decode_kwargs.pop("return_lse", False)
-    check_bool("return_lse", return_lse)
-    check_bool("check_metadata", check_metadata)
-    if "out" in flash_decode_kwargs:
-        raise TypeError("cp_flash_decode does not take out (the local state goes into the exchange buffer)")
-    if check_metadata:
-        _check_metadata(q, k_shard, v_shard, seq_lens_shard, flash_decode_kwargs, group)
-    check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
-    b, hq, d = q.shape
-    # The local state, unrounded fp32 with its lse, is written straight into the buffer that is exchanged.
-    packed = _dispatch.new_buffer((b, hq, d + 1), torch.float32, q.device)
-    flash_decode(q, k_shard, v_shard, seq_lens_shard, out=AttentionState(packed[..., :d], packed[..., d]),
-                 **flash_decode_kwargs)
-    merged = _merge_packed(packed, group, q.dtype)
-    return merged if return_lse else merged.o
+    if isinstance(q, torch.Tensor) and q.dim() == 4:
+        raise ValueError("q must have 3 dims [B, Hq, D] in cp_flash_decode: several query rows need the causal "
+                         "rule in global positions, which CPKVCache.decode applies")
+    return _cp_decode(q, k_shard, v_shard, seq_lens_shard, group=group, check_metadata=check_metadata,
+                      row_limits=None, kwargs=flash_decode_kwargs)
 
 
 class CPKVCache:
-    """One rank's shard of a KV cache for context-parallel decode, interleaved placement.
+    """One rank's shard of a KV cache for context-parallel decode, interleaved placement, dense or paged.
 
     Global position ``p`` of every sequence lives on rank ``p % W`` at local slot ``p // W`` (the
-    ``"interleaved"`` placement of :func:`shard_kv`), so a decode step's token ``t`` goes to rank
-    ``t % W`` and the shards stay balanced. Every rank calls :meth:`append` with the same token; only the
-    owner stores it.
+    ``"interleaved"`` placement of :func:`shard_kv`), so decode tokens go round-robin and the shards stay
+    balanced. Every rank calls :meth:`append` with the same tokens; only the owner of each stores it.
 
     Attributes:
-        k, v: ``[B, Hkv, capacity, D]`` views of this rank's buffers (``capacity = ceil(max_seq_len / W)``).
+        k, v: dense: ``[B, Hkv, capacity, D]`` views of this rank's buffers (``capacity = ceil(max_seq_len
+            / W)``); paged (``page_size`` given): page pools ``[num_pages, page_size, Hkv, D]`` (the vLLM /
+            FlashInfer layout) read through :attr:`block_table`.
+        block_table: ``[B, pages_per_sequence]`` int32 (paged), else ``None``.
+        kv_layout: ``"HND"`` (dense) or ``"NHD"`` (paged): how :meth:`decode` reads :attr:`k`/:attr:`v`.
         seq_lens: ``[B]`` int32 on ``device``: valid tokens of this shard.
         global_seq_lens: ``[B]`` int64 on ``device``: length of each whole sequence.
 
-    CUDA graphs. :meth:`append` decides the owner and slot on the device from ``global_seq_lens``
-    (``owner = len % W``, ``slot = len // W``); a non-owner writes into one scratch slot past the
-    capacity that is never read, so every rank runs the same kernels whatever the step. Hence one
-    captured graph of ``cache.append(k_in, v_in); o_out.copy_(cache.decode(q_in, check_metadata=False))``
-    with static ``k_in``, ``v_in``, ``q_in`` (fill them with ``copy_`` before each replay) is replayed step
-    after step. The host-side count that guards the capacity is not advanced by replays: the caller
-    bounds them by :attr:`free_slots` (beyond it, tokens are dropped on the device, never written out
-    of bounds).
+    Multi-token steps (speculative decoding). :meth:`append` takes ``Q`` tokens per sequence at once and
+    places each by its global position; :meth:`decode` with ``Q`` query rows applies the causal rule in
+    global positions: row ``i`` sees the global positions ``< L - Q + 1 + i`` (``L`` the sequence's
+    length), which on this rank are its local slots ``< ceil((L - Q + 1 + i - rank) / W)``;
+    :meth:`rollback` drops rejected drafts.
+
+    CUDA graphs. :meth:`append` decides owners and slots on the device from ``global_seq_lens``; a
+    non-owner writes into a scratch slot (dense) or scratch page (paged) that is never read, so every rank
+    runs the same kernels whatever the step. Hence one captured graph of ``cache.append(k_in, v_in);
+    o_out.copy_(cache.decode(q_in, check_metadata=False))`` with static ``k_in``, ``v_in``, ``q_in`` (fill
+    them with ``copy_`` before each replay) is replayed step after step. The host-side count that guards
+    the capacity is not advanced by replays: the caller bounds them by :attr:`free_slots` (beyond it,
+    tokens are dropped on the device, never written out of bounds).
 
     >>> cache = CPKVCache(2, 8, 128, max_seq_len=4096, rank=dist.get_rank(), world_size=dist.get_world_size())
     >>> cache.append(k_tok, v_tok)     # [2, 8, 128] each, the same on every rank
@@ -301,8 +323,9 @@ class CPKVCache:
     """
 
     def __init__(self, batch, heads_kv, head_dim, max_seq_len, *, dtype=torch.bfloat16, device=None,
-                 rank=None, world_size=None, group=None):
-        """Empty cache for ``batch`` sequences of up to ``max_seq_len`` tokens each (all ranks together).
+                 rank=None, world_size=None, group=None, page_size=None):
+        """Empty cache for ``batch`` sequences of up to ``max_seq_len`` tokens each (all ranks together);
+        ``page_size`` (int >= 1): keep the shard in pages of that many slots.
 
         ``rank`` and ``world_size`` default to this process's rank and size in ``group``.
         """
@@ -310,6 +333,8 @@ class CPKVCache:
         heads_kv = check_int("heads_kv", heads_kv, 1)
         head_dim = check_int("head_dim", head_dim, 1)
         max_seq_len = check_int("max_seq_len", max_seq_len, 1)
+        if page_size is not None:
+            page_size = check_int("page_size", page_size, 1)
         if dtype not in FLOAT_DTYPES:
             raise TypeError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype}")
         world_size = dist.get_world_size(group) if world_size is None else world_size
@@ -320,19 +345,30 @@ class CPKVCache:
         self.group = group
         self.max_seq_len = max_seq_len
         self.capacity = -(-max_seq_len // world_size)
+        self.page_size = page_size
         device = torch.device("cpu") if device is None else torch.device(device)
-        shape = (batch, heads_kv, self.capacity + 1, head_dim)  # + 1: the scratch slot of non-owners
-        self._k = torch.zeros(shape, dtype=dtype, device=device)
-        self._v = torch.zeros(shape, dtype=dtype, device=device)
-        self.k = self._k[:, :, : self.capacity]
-        self.v = self._v[:, :, : self.capacity]
+        if page_size is None:
+            shape = (batch, heads_kv, self.capacity + 1, head_dim)  # + 1: the scratch slot of non-owners
+            self._k = torch.zeros(shape, dtype=dtype, device=device)
+            self._v = torch.zeros(shape, dtype=dtype, device=device)
+            self.k = self._k[:, :, : self.capacity]
+            self.v = self._v[:, :, : self.capacity]
+            self.block_table, self.kv_layout = None, "HND"
+        else:
+            pages = -(-self.capacity // page_size)
+            # Sequence b owns pages [b * pages, (b + 1) * pages); the last page is the scratch page.
+            shape = (batch * pages + 1, page_size, heads_kv, head_dim)
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
+            self.block_table = torch.arange(batch * pages, dtype=torch.int32, device=device).view(batch, pages)
+            self.kv_layout = "NHD"
         self.seq_lens = torch.zeros(batch, dtype=torch.int32, device=device)
         self.global_seq_lens = torch.zeros(batch, dtype=torch.int64, device=device)
         self._batch_idx = torch.arange(batch, device=device)
         self._host_max_len = 0
 
     @classmethod
-    def from_prefix(cls, k, v, seq_lens, max_seq_len, *, rank=None, world_size=None, group=None):
+    def from_prefix(cls, k, v, seq_lens, max_seq_len, *, rank=None, world_size=None, group=None, page_size=None):
         """Cache holding this rank's interleaved shard of a prefix ``k``, ``v`` ``[B, Hkv, T, D]`` with
         ``seq_lens [B]`` (``None``: all ``T``), room for ``max_seq_len >= T`` tokens per sequence.
 
@@ -343,12 +379,28 @@ class CPKVCache:
         if isinstance(max_seq_len, numbers.Integral) and max_seq_len < t:
             raise ValueError(f"max_seq_len must be >= the prefix capacity T = {t}, got {max_seq_len}")
         cache = cls(b, hkv, d, max_seq_len, dtype=k.dtype, device=k.device, rank=rank,
-                    world_size=world_size, group=group)
+                    world_size=world_size, group=group, page_size=page_size)
         k_shard, v_shard, _ = shard_kv(k, v, seq_lens, cache.rank, cache.world_size, "interleaved")
-        cache.k[:, :, : k_shard.shape[2]] = k_shard
-        cache.v[:, :, : v_shard.shape[2]] = v_shard
+        n = k_shard.shape[2]
+        slots = torch.arange(n, device=k.device).expand(b, n)
+        cache._store(slots, torch.ones_like(slots, dtype=torch.bool), k_shard.transpose(1, 2), v_shard.transpose(1, 2))
         cache.set_lengths(torch.full((b,), t, device=k.device) if seq_lens is None else seq_lens)
         return cache
+
+    def _store(self, slots, mine, k_rows, v_rows) -> None:
+        """Write ``k_rows``/``v_rows [B, n, Hkv, D]`` at local ``slots [B, n]`` where ``mine``; the others go
+        to the scratch slot or page."""
+        b_idx = self._batch_idx[:, None].expand_as(slots)
+        if self.block_table is None:
+            slot = torch.where(mine, slots, self.capacity)
+            self._k[b_idx, :, slot] = k_rows
+            self._v[b_idx, :, slot] = v_rows
+        else:
+            page_col = (slots // self.page_size).clamp(max=self.block_table.shape[1] - 1)
+            page = torch.where(mine, self.block_table[b_idx, page_col].long(), self.k.shape[0] - 1)
+            off = torch.where(mine, slots % self.page_size, 0)
+            self.k[page, off] = k_rows
+            self.v[page, off] = v_rows
 
     def set_lengths(self, seq_lens) -> None:
         """Declare the whole-sequence lengths ``seq_lens [B]`` (int, ``<= max_seq_len``) of the tokens already
@@ -356,9 +408,9 @@ class CPKVCache:
 
         Used after filling :attr:`k`/:attr:`v` directly, e.g. with a shard generated on this rank.
         """
-        check_tensor("seq_lens", seq_lens, dtypes=INDEX_DTYPES, ndim=1, device=self.k.device)
-        if seq_lens.shape[0] != self.k.shape[0]:
-            raise ValueError(f"seq_lens must have shape [{self.k.shape[0]}], got {tuple(seq_lens.shape)}")
+        check_tensor("seq_lens", seq_lens, dtypes=INDEX_DTYPES, ndim=1, device=self.seq_lens.device)
+        if seq_lens.shape[0] != self.seq_lens.shape[0]:
+            raise ValueError(f"seq_lens must have shape [{self.seq_lens.shape[0]}], got {tuple(seq_lens.shape)}")
         lo, hi = int(seq_lens.min()), int(seq_lens.max())
         if lo < 0 or hi > self.max_seq_len:
             raise ValueError(f"seq_lens must lie in [0, {self.max_seq_len}] (max_seq_len), got [{lo}, {hi}]")
@@ -372,25 +424,68 @@ class CPKVCache:
         return self.max_seq_len - self._host_max_len
 
     def append(self, k_new, v_new) -> None:
-        """Append one token per sequence: ``k_new``, ``v_new`` ``[B, Hkv, D]`` in the cache's dtype and device,
-        the same on every rank. Global position ``len`` goes to rank ``len % W``; no host sync."""
-        shape = (self.k.shape[0], self.k.shape[1], self.k.shape[3])
+        """Append one token (``[B, Hkv, D]``) or ``Q`` tokens (``[B, Q, Hkv, D]``) per sequence, in the
+        cache's dtype and device, the same on every rank. Global position ``len + j`` goes to rank
+        ``(len + j) % W``; no host sync."""
+        b, hkv, d = self.seq_lens.shape[0], self._heads_kv, self._head_dim
         for name, t in (("k_new", k_new), ("v_new", v_new)):
-            check_tensor(name, t, dtypes=(self.k.dtype,), ndim=3, device=self.k.device)
-            if tuple(t.shape) != shape:
-                raise ValueError(f"{name} must have shape {list(shape)} ([B, Hkv, D]), got {tuple(t.shape)}")
-        if self.free_slots < 1:
-            raise RuntimeError(f"CPKVCache is full: a sequence already holds max_seq_len = {self.max_seq_len}")
-        pos = self.global_seq_lens
-        slot = torch.div(pos, self.world_size, rounding_mode="floor")
-        mine = (pos.remainder(self.world_size) == self.rank) & (slot < self.capacity)
-        slot = torch.where(mine, slot, self.capacity)
-        self._k[self._batch_idx, :, slot] = k_new
-        self._v[self._batch_idx, :, slot] = v_new
-        self.seq_lens += mine.to(self.seq_lens.dtype)
-        self.global_seq_lens += 1
-        self._host_max_len += 1
+            check_tensor(name, t, dtypes=(self.k.dtype,), device=self.k.device)
+            if t.dim() == 3:
+                t = t.unsqueeze(1)
+            if t.dim() != 4 or t.shape[0] != b or tuple(t.shape[2:]) != (hkv, d):
+                raise ValueError(f"{name} must have shape [{b}, {hkv}, {d}] or [{b}, Q, {hkv}, {d}] "
+                                 f"([B, Hkv, D] or [B, Q, Hkv, D]), got {tuple(t.shape)}")
+        if k_new.shape != v_new.shape:
+            raise ValueError(f"v_new must have k_new's shape {tuple(k_new.shape)}, got {tuple(v_new.shape)}")
+        if k_new.dim() == 3:
+            k_new, v_new = k_new.unsqueeze(1), v_new.unsqueeze(1)
+        n = k_new.shape[1]
+        if self.free_slots < n:
+            raise RuntimeError(f"CPKVCache is full: {n} more tokens would pass max_seq_len = {self.max_seq_len} "
+                               f"({self.free_slots} free)")
+        pos = self.global_seq_lens[:, None] + torch.arange(n, device=self.k.device)  # [B, n] global positions
+        slots = torch.div(pos, self.world_size, rounding_mode="floor")
+        mine = (pos.remainder(self.world_size) == self.rank) & (slots < self.capacity)
+        self._store(slots, mine, k_new, v_new)
+        self.seq_lens += mine.sum(1).to(self.seq_lens.dtype)
+        self.global_seq_lens += n
+        self._host_max_len += n
+
+    def rollback(self, n) -> None:
+        """Drop the last ``n`` tokens of each sequence (rejected drafts): an int, or ``[B]`` int tensor on the
+        cache's device (no host sync). The slots are overwritten by later appends. The host-side capacity
+        count only moves back for an int ``n``."""
+        if isinstance(n, torch.Tensor):
+            check_tensor("n", n, dtypes=INDEX_DTYPES, ndim=1, device=self.global_seq_lens.device)
+            if n.shape[0] != self.global_seq_lens.shape[0]:
+                raise ValueError(f"n must have shape [{self.global_seq_lens.shape[0]}], got {tuple(n.shape)}")
+            drop = n.long().clamp(min=0)
+        else:
+            drop = check_int("n", n, 0)
+            self._host_max_len = max(0, self._host_max_len - drop)
+        self.global_seq_lens.sub_(drop).clamp_(min=0)
+        self.seq_lens.copy_(_interleaved_counts(self.global_seq_lens, self.rank, self.world_size))
 
     def decode(self, q, **kwargs):
-        """:func:`cp_flash_decode` of ``q [B, Hq, D]`` over the cache (all ranks call it); ``kwargs`` as there."""
-        return cp_flash_decode(q, self.k, self.v, self.seq_lens, group=self.group, **kwargs)
+        """Attention of ``q [B, Hq, D]``, or ``q [B, Q, Hq, D]`` with the causal rule in global positions,
+        over the cache, merged across the ranks (all ranks call it); ``kwargs`` as in
+        :func:`cp_flash_decode`."""
+        if "block_table" in kwargs or "kv_layout" in kwargs:
+            raise TypeError("CPKVCache.decode takes no block_table or kv_layout (the cache has its own)")
+        check_metadata = kwargs.pop("check_metadata", True)
+        row_limits = None
+        if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] > 1:
+            n_q = q.shape[1]
+            first = self.global_seq_lens[:, None] - n_q + 1 + torch.arange(n_q, device=q.device)  # [B, Q]
+            row_limits = _interleaved_counts(first.clamp(min=0), self.rank, self.world_size).to(torch.int32)
+        return _cp_decode(q, self.k, self.v, self.seq_lens, group=self.group, check_metadata=check_metadata,
+                          row_limits=row_limits, kwargs=dict(kwargs, block_table=self.block_table,
+                                                             kv_layout=self.kv_layout))
+
+    @property
+    def _heads_kv(self) -> int:
+        return self.k.shape[1] if self.block_table is None else self.k.shape[2]
+
+    @property
+    def _head_dim(self) -> int:
+        return self.k.shape[3]

@@ -1,4 +1,5 @@
-"""Plain-torch decode attention returning an :class:`AttentionState`: the oracle of every test."""
+"""Plain-torch decode attention returning an :class:`AttentionState`: the oracle of every test, and the
+CPU torch path of :func:`cp_attention.flash_decode`."""
 from __future__ import annotations
 
 import math
@@ -7,23 +8,27 @@ import torch
 
 from .state import AttentionState
 
-__all__ = ["attention"]
+__all__ = ["attention", "paged_to_dense"]
 
 
-def attention(q, k, v, seq_lens=None, *, sm_scale=None, kv_layout="HND") -> AttentionState:
-    """Exact attention of one query per head against a KV cache, in one pass.
+def attention(q, k, v, seq_lens=None, *, sm_scale=None, kv_layout="HND", row_limits=None) -> AttentionState:
+    """Exact attention of one or a few query rows per head against a dense KV cache, in one pass.
 
     Args:
-        q: ``[B, Hq, D]``.
+        q: ``[B, Hq, D]``, or ``[B, Q, Hq, D]``: ``Q`` new tokens per request, the last ``Q`` keys of the
+            cache, so row ``i`` sees the positions ``p < seq_len - Q + 1 + i``.
         k, v: ``[B, Hkv, T, D]`` (``kv_layout="HND"``) or ``[B, T, Hkv, D]`` (``"NHD"``); ``Hq % Hkv == 0``
             (query head ``h`` reads KV head ``h // (Hq // Hkv)``).
-        seq_lens: ``[B]`` valid lengths (``None``: all ``T``).
+        seq_lens: ``[B]`` valid lengths (``None``: all ``T``). Positions past them never enter the result,
+            whatever they hold (NaN included).
         sm_scale: score scale, default ``1 / sqrt(D)``.
+        row_limits: ``[B, Q]``: row ``i`` of request ``b`` sees the positions ``p < row_limits[b, i]``
+            (and ``p < seq_len``) instead of the causal rule.
 
     Returns:
-        ``AttentionState(o [B, Hq, D], lse [B, Hq])``, natural-log LSE, ``-inf`` (and ``o = 0``) for an
-        empty sequence. Computed in float64 when ``q`` is float64 (then ``o`` and ``lse`` are float64),
-        else in float32 with ``o`` float32 and ``lse`` float32.
+        ``AttentionState(o, lse)`` with ``o`` of q's shape and ``lse`` of ``q.shape[:-1]``, natural log;
+        ``-inf`` (and ``o = 0``) for a row that sees no key. Computed in float64 when ``q`` is float64
+        (then ``o`` and ``lse`` are float64), else in float32 with ``o`` float32 and ``lse`` float32.
 
     >>> q, k = torch.zeros(1, 2, 8), torch.zeros(1, 1, 3, 8)
     >>> attention(q, k, k + 1.0).o[0, 0, 0].item()
@@ -34,21 +39,49 @@ def attention(q, k, v, seq_lens=None, *, sm_scale=None, kv_layout="HND") -> Atte
     elif kv_layout != "HND":
         raise ValueError(f"kv_layout must be 'HND' or 'NHD', got {kv_layout!r}")
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
-    b, hq, d = q.shape
+    multi = q.dim() == 4
+    q4 = q if multi else q.unsqueeze(1)  # [B, Q, Hq, D]
+    b, n_q, hq, d = q4.shape
     hkv, t = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
-    kk = k.to(ct).repeat_interleave(hq // hkv, dim=1)
-    vv = v.to(ct).repeat_interleave(hq // hkv, dim=1)
-    if seq_lens is not None:
-        # Positions past a sequence's length may hold garbage (NaN, inf): they never enter the result.
-        valid = torch.arange(t, device=k.device)[None, :] < seq_lens.to(k.device).long()[:, None]  # [B, T]
-        kk = kk.masked_fill(~valid[:, None, :, None], 0.0)
-        vv = vv.masked_fill(~valid[:, None, :, None], 0.0)
-    s = torch.einsum("bhd,bhtd->bht", q.to(ct), kk) * scale
-    if seq_lens is not None:
-        s = s.masked_fill(~valid[:, None, :], float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
+    lens = (torch.full((b,), t, device=k.device) if seq_lens is None else seq_lens.to(k.device)).long()
+    pos = torch.arange(t, device=k.device)
+    valid = pos[None, :] < lens[:, None]  # [B, T]: positions holding keys
+    if row_limits is not None:
+        limits = row_limits.to(k.device).long()
+    else:
+        limits = lens[:, None] - n_q + 1 + torch.arange(n_q, device=k.device)[None, :]  # [B, Q]
+    visible = valid[:, None, :] & (pos[None, None, :] < limits[:, :, None])  # [B, Q, T]
+    # Garbage (NaN, inf) past a sequence's length never enters the result.
+    kk = k.to(ct).masked_fill(~valid[:, None, :, None], 0.0).repeat_interleave(hq // hkv, dim=1)
+    vv = v.to(ct).masked_fill(~valid[:, None, :, None], 0.0).repeat_interleave(hq // hkv, dim=1)
+    s = torch.einsum("bqhd,bhtd->bqht", q4.to(ct), kk) * scale
+    s = s.masked_fill(~visible[:, :, None, :], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # [B, Q, Hq]
     lse_ref = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
     p = torch.exp(s - lse_ref[..., None])
-    o = torch.einsum("bht,bhtd->bhd", p, vv)
+    o = torch.einsum("bqht,bhtd->bqhd", p, vv)
+    if not multi:
+        o, lse = o[:, 0], lse[:, 0]
     return AttentionState(o, lse if ct == torch.float64 else lse.float())
+
+
+def paged_to_dense(pool, block_table, kv_layout="HND") -> torch.Tensor:
+    """The dense cache of a page pool: ``[B, Hkv, max_pages * page_size, D]`` (``"HND"``) or
+    ``[B, max_pages * page_size, Hkv, D]`` (``"NHD"``), request ``b``'s position ``p`` taken from page
+    ``block_table[b, p // page_size]``, slot ``p % page_size``. Pool layouts as in
+    :func:`cp_attention.flash_decode`; entries of ``block_table`` outside the pool are clamped into it (they
+    can only be read past a sequence's length).
+
+    >>> pool = torch.arange(4.0).view(2, 1, 2, 1)  # 2 pages of 2 slots, 1 head
+    >>> paged_to_dense(pool, torch.tensor([[1, 0]]))[0, 0, :, 0].tolist()
+    [2.0, 3.0, 0.0, 1.0]
+    """
+    if kv_layout == "NHD":
+        pool = pool.transpose(1, 2)  # [P, Hkv, page, D]
+    n_pages, hkv, page, d = pool.shape
+    bt = block_table.long().clamp(0, n_pages - 1)
+    b, max_pages = bt.shape
+    dense = pool[bt]  # [B, max_pages, Hkv, page, D]
+    dense = dense.permute(0, 2, 1, 3, 4).reshape(b, hkv, max_pages * page, d)
+    return dense if kv_layout == "HND" else dense.transpose(1, 2)

@@ -251,7 +251,8 @@ q0, k0, v0 = make(2, 8, 2, 64, 64, torch.float16)
 BAD = [
     ("q-list", lambda: flash_decode([1], k0, v0), TypeError, "q"),
     ("q-int", lambda: flash_decode(q0.int(), k0, v0), TypeError, "q"),
-    ("q-4d", lambda: flash_decode(q0[None], k0, v0), ValueError, "q"),
+    ("q-5d", lambda: flash_decode(q0[None, None], k0, v0), ValueError, "q"),
+    ("q-17-rows", lambda: flash_decode(q0[:, None].expand(2, 17, 8, 64), k0, v0), ValueError, "q"),
     ("k-dtype", lambda: flash_decode(q0, k0.float(), v0), TypeError, "k"),
     ("v-dtype", lambda: flash_decode(q0, k0, v0.bfloat16()), TypeError, "v"),
     ("k-3d", lambda: flash_decode(q0, k0[0], v0), ValueError, "k"),

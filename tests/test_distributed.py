@@ -223,6 +223,62 @@ def case_cache_appends(rank, world, *, b, hq, hkv, d, prefix_t, prefix_lens, ste
     return cache.decode(q)
 
 
+def case_cache_drafts(rank, world, *, b, hq, hkv, d, prefix_t, prefix_lens, page_size, plan):
+    """Speculative steps on a (paged) CPKVCache: each step appends Q drafts, decodes Q query rows with the
+    causal rule in global positions, and rolls back the rejected ones; every step equals flash_decode with
+    Q rows on the unsharded cache. ``plan``: (Q, rejected) per step; rejected is an int or a per-sequence
+    list (a [B] tensor)."""
+    total = prefix_t + sum(n for n, _ in plan)
+    q0, k, v, seq_lens = _cache(b, hq, hkv, total, d, prefix_lens, q_gain=3.0, seed=4)
+    cache = CPKVCache.from_prefix(k[:, :, :prefix_t], v[:, :, :prefix_t], seq_lens, total, page_size=page_size)
+    if page_size:
+        assert cache.block_table is not None and cache.k.shape[1:] == (page_size, hkv, d)
+    g = torch.Generator().manual_seed(5)
+    lens = seq_lens.long().clone()
+    rows = torch.arange(b)
+    out = None
+    for n_q, rejected in plan:
+        k_new = torch.randn(b, n_q, hkv, d, generator=g)
+        v_new = torch.randn(b, n_q, hkv, d, generator=g)
+        q = torch.randn(b, n_q, hq, d, generator=g) * 3
+        cache.append(k_new if n_q > 1 else k_new[:, 0], v_new if n_q > 1 else v_new[:, 0])
+        for j in range(n_q):
+            k[rows, :, lens + j], v[rows, :, lens + j] = k_new[:, j], v_new[:, j]
+        lens += n_q
+        out = cache.decode(q, return_lse=True)
+        single = flash_decode(q, k, v, lens.int(), return_lse=True)
+        ref = attention(q.double(), k.double(), v.double(), lens)
+        _assert_state_close(out, single, TOL_SINGLE[q.dtype], "CP drafts vs single-rank flash_decode")
+        _assert_state_close(out, ref, TOL_REF[q.dtype], "CP drafts vs float64 reference")
+        drop = torch.tensor(rejected) if isinstance(rejected, list) else rejected
+        cache.rollback(drop)
+        lens -= drop if isinstance(drop, int) else drop.long()
+        assert torch.equal(cache.global_seq_lens, lens)
+        _, _, ls = shard_kv(k, v, lens, rank, world, "interleaved")
+        assert torch.equal(cache.seq_lens.long(), ls.long())
+    return out
+
+
+def case_paged_shards(rank, world, *, b, hq, hkv, t, d, lens, page_size):
+    """cp_flash_decode over contiguous shards kept in page pools (each rank its own pool and block table)."""
+    q, k, v, seq_lens = _cache(b, hq, hkv, t, d, lens)
+    ks, vs, ls = shard_kv(k, v, seq_lens, rank, world, "contiguous")
+    c = ks.shape[2]
+    pages = -(-c // page_size)
+    order = torch.randperm(b * pages + 2, generator=torch.Generator().manual_seed(rank))[: b * pages]
+    pool_k = torch.full((b * pages + 2, page_size, hkv, d), float("nan"))
+    pool_v = torch.full_like(pool_k, float("nan"))
+    for i in range(b):
+        for j in range(pages):
+            lo, hi = j * page_size, min((j + 1) * page_size, c)
+            pool_k[order[i * pages + j], : hi - lo] = ks[i, :, lo:hi].transpose(0, 1)
+            pool_v[order[i * pages + j], : hi - lo] = vs[i, :, lo:hi].transpose(0, 1)
+    table = order.view(b, pages).to(torch.int32)
+    got = cp_flash_decode(q, pool_k, pool_v, ls, block_table=table, kv_layout="NHD", return_lse=True)
+    _check_against_single(q, k, v, seq_lens, got)
+    return got
+
+
 def case_mismatch(rank, world, *, what):
     """Rank 1 differs in ``what``: every rank raises ValueError, and the group still works afterwards."""
     b, hq, d, dtype, sm_scale = 2, 8, 32, torch.float32, None
@@ -310,6 +366,30 @@ CACHE_CASES = [
     pytest.param(4, dict(b=2, hq=8, hkv=2, d=32, prefix_t=61, prefix_lens=[61, 9], steps=9, check_every=9),
                  True, id="W4-ragged-prefix-9-appends-interp"),
 ]
+
+
+DRAFT_CASES = [
+    pytest.param(2, dict(b=2, hq=8, hkv=2, d=32, prefix_t=30, prefix_lens=[30, 1], page_size=None,
+                         plan=[(4, 1), (3, [2, 0]), (1, 0), (4, 3)]), False, id="W2-dense-drafts-rollback"),
+    pytest.param(3, dict(b=3, hq=8, hkv=2, d=32, prefix_t=20, prefix_lens=[20, 0, 7], page_size=5,
+                         plan=[(4, [1, 3, 0]), (7, 2), (2, 0)]), False, id="W3-page5-drafts-rollback"),
+    pytest.param(2, dict(b=2, hq=4, hkv=4, d=32, prefix_t=17, prefix_lens=[17, 3], page_size=16,
+                         plan=[(3, 1), (4, [0, 2])]), True, id="W2-page16-drafts-interp"),
+]
+
+
+@pytest.mark.parametrize("world, case, interpret", DRAFT_CASES)
+def test_cache_draft_steps_equal_unsharded(pool, world, case, interpret):
+    states = pool(world).run(case_cache_drafts, interpret=interpret, **case)
+    for st in states[1:]:
+        assert torch.equal(st.o, states[0].o) and torch.equal(st.lse, states[0].lse)
+
+
+@pytest.mark.parametrize("world, page", [(2, 16), (3, 5)], ids=["W2-page16", "W3-page5"])
+def test_cp_flash_decode_paged_shards(pool, world, page):
+    states = pool(world).run(case_paged_shards, interpret=world == 3, b=3, hq=8, hkv=2, t=100, d=32,
+                             lens=[100, 41, 0], page_size=page)
+    assert all(torch.equal(st.o, states[0].o) for st in states)
 
 
 @pytest.mark.parametrize("world, case, interpret", CACHE_CASES)

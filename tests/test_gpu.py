@@ -189,3 +189,46 @@ def test_merge_kernel_on_gpu_against_float64(n, dtype):
     torch.testing.assert_close(got.o.double(), o64.to(dtype).double(), atol=tol, rtol=tol)
     torch.testing.assert_close(got.lse.double(), lse_ref, atol=1e-4, rtol=1e-6)
     assert (got.o[1, 1] == 0).all() and torch.isneginf(got.lse[1, 1])
+
+
+@pytest.mark.parametrize("page", [1, 16, 64], ids=lambda p: f"page{p}")
+def test_paged_long_cache_equals_dense(page):
+    """A shuffled page pool (NHD, K and V views of one tensor) gives the dense kernel's answer and the
+    float64 oracle's, at a long ragged context."""
+    torch.manual_seed(page)
+    b, hq, hkv, d, t = 2, 32, 8, 128, 20_000
+    q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b, hkv, t, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(b, hkv, t, d, device="cuda", dtype=torch.bfloat16)
+    sl = torch.tensor([t, 7_777], device="cuda", dtype=torch.int32)
+    max_pages = -(-t // page)
+    order = torch.randperm(b * max_pages + 5, device="cuda")[: b * max_pages]
+    both = torch.full((b * max_pages + 5, 2, page, hkv, d), float("nan"), device="cuda", dtype=torch.bfloat16)
+    pad = max_pages * page - t
+    for i in range(b):
+        for c, src in enumerate((k, v)):
+            pages = torch.nn.functional.pad(src[i], (0, 0, 0, pad)).view(hkv, max_pages, page, d)
+            both[order[i * max_pages:(i + 1) * max_pages], c] = pages.permute(1, 2, 0, 3)
+    table = order.view(b, max_pages).to(torch.int32)
+    got = flash_decode(q, both[:, 0], both[:, 1], sl, block_table=table, kv_layout="NHD", return_lse=True)
+    dense = flash_decode(q, k, v, sl, return_lse=True)
+    torch.testing.assert_close(got.o, dense.o, atol=1e-2, rtol=1e-2)
+    ref = attention(q.double(), k.double(), v.double(), sl)
+    torch.testing.assert_close(got.o.double(), ref.o, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.lse.double(), ref.lse, atol=1e-3, rtol=1e-5)
+
+
+@pytest.mark.parametrize("q_rows", [4, 16])
+def test_multi_row_queries_against_float64(q_rows):
+    torch.manual_seed(q_rows)
+    b, hq, hkv, d, t = 3, 32, 8, 128, 9_000
+    q = torch.randn(b, q_rows, hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b, hkv, t, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(b, hkv, t, d, device="cuda", dtype=torch.bfloat16)
+    sl = torch.tensor([t, 4_097, 2], device="cuda", dtype=torch.int32)
+    got = flash_decode(q, k, v, sl, return_lse=True)
+    ref = attention(q.double(), k.double(), v.double(), sl)
+    finite = torch.isfinite(ref.lse)
+    torch.testing.assert_close(got.o.double(), ref.o, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.lse.double()[finite], ref.lse[finite], atol=1e-3, rtol=1e-5)
+    assert torch.isneginf(got.lse[~finite]).all()

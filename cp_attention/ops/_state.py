@@ -76,14 +76,37 @@ def split_range(SEQ_LENS, stride_sl, i_seq, i_s, T_MAX, TILES_PER_SPLIT, BLOCK_N
 
 
 @triton.jit
-def attend_tiles(b_q, p_k, p_v, stride_kt, stride_vt, t_start, t_end, qk_scale, o_d, m_d,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+def kv_bases(K, V, i_seq64, i_h64, stride_ks, stride_kh, stride_vs, stride_vh, IS_PAGED: tl.constexpr):
+    """Pointers to KV head ``i_h64`` of sequence (or segment) ``i_seq64`` in a dense cache, or of the pool
+    in a paged one (its pages are added per key by :func:`attend_tile`)."""
+    if IS_PAGED:
+        return K + i_h64 * stride_kh, V + i_h64 * stride_vh
+    else:
+        return K + i_seq64 * stride_ks + i_h64 * stride_kh, V + i_seq64 * stride_vs + i_h64 * stride_vh
+
+
+@triton.jit
+def pages_of(p_bt, stride_btp, o_t, m_t, num_pages, PAGE_SIZE: tl.constexpr):
+    """The pages of the keys ``o_t`` (int64), read from the block-table row ``p_bt`` where ``m_t`` and
+    clamped into the pool ``[0, num_pages)``."""
+    page = tl.load(p_bt + (o_t // PAGE_SIZE) * stride_btp, mask=m_t, other=0)
+    return tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
+
+
+@triton.jit
+def attend_tiles(b_q, row_lim, p_k, p_v, stride_kt, stride_vt, p_bt, stride_btp, stride_kp, stride_vp, num_pages,
+                 t_start, t_end, qk_scale, o_d, m_d,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                 IS_PAGED: tl.constexpr, HAS_ROW_LIM: tl.constexpr,
                  INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """Level 1: the query rows ``b_q [BLOCK_M, BLOCK_D]`` attend to the keys ``[t_start, t_end)`` of one KV
-    head (key ``t`` at ``p_k + t * stride_kt + o_d``, value likewise), ``BLOCK_N`` keys per tile through
-    ``tl.dot``, with the online softmax. ``qk_scale`` is the score scale times ``log2(e)``. Returns the
-    normalised state ``(o [BLOCK_M, BLOCK_D] fp32, lse [BLOCK_M] natural log)``; an empty range gives the
-    empty state. Keys outside the range are never loaded (a cache may hold garbage there).
+    head, ``BLOCK_N`` keys per tile through ``tl.dot``, with the online softmax. In a dense cache key ``t``
+    is at ``p_k + t * stride_kt + o_d``; in a page pool (``IS_PAGED``) at ``p_k + page * stride_kp + (t %
+    PAGE_SIZE) * stride_kt + o_d`` with ``page`` from the block-table row ``p_bt`` (values likewise). With
+    ``HAS_ROW_LIM``, row ``m`` sees only the keys ``t < row_lim[m]`` (the causal rule of multi-row
+    queries). ``qk_scale`` is the score scale times ``log2(e)``. Returns the normalised state ``(o
+    [BLOCK_M, BLOCK_D] fp32, lse [BLOCK_M] natural log)``; a row that sees no key gets the empty state.
+    Keys outside the range are never loaded (a cache may hold garbage there).
     """
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)  # sum of the weights: the lse
@@ -92,31 +115,46 @@ def attend_tiles(b_q, p_k, p_v, stride_kt, stride_vt, t_start, t_end, qk_scale, 
     if INTERPRET:  # Note [Loops under the interpreter]
         t0 = t_start
         while t0 < t_end:
-            m_i, l_i, r_i, acc = attend_tile(m_i, l_i, r_i, acc, b_q, p_k, p_v, stride_kt, stride_vt, t0, t_end,
-                                             qk_scale, o_d, m_d, BLOCK_N, INPUT_PRECISION, UPCAST)
+            m_i, l_i, r_i, acc = attend_tile(m_i, l_i, r_i, acc, b_q, row_lim, p_k, p_v, stride_kt, stride_vt, p_bt,
+                                             stride_btp, stride_kp, stride_vp, num_pages, t0, t_end, qk_scale, o_d,
+                                             m_d, BLOCK_N, PAGE_SIZE, IS_PAGED, HAS_ROW_LIM, INPUT_PRECISION, UPCAST)
             t0 += BLOCK_N
     else:
         for t0 in range(t_start, t_end, BLOCK_N):
-            m_i, l_i, r_i, acc = attend_tile(m_i, l_i, r_i, acc, b_q, p_k, p_v, stride_kt, stride_vt, t0, t_end,
-                                             qk_scale, o_d, m_d, BLOCK_N, INPUT_PRECISION, UPCAST)
+            m_i, l_i, r_i, acc = attend_tile(m_i, l_i, r_i, acc, b_q, row_lim, p_k, p_v, stride_kt, stride_vt, p_bt,
+                                             stride_btp, stride_kp, stride_vp, num_pages, t0, t_end, qk_scale, o_d,
+                                             m_d, BLOCK_N, PAGE_SIZE, IS_PAGED, HAS_ROW_LIM, INPUT_PRECISION, UPCAST)
     o, _ = finalize(m_i, r_i, acc, LN2)
     _, lse = finalize(m_i, l_i, acc, LN2)
     return o, lse
 
 
 @triton.jit
-def attend_tile(m_i, l_i, r_i, acc, b_q, p_k, p_v, stride_kt, stride_vt, t0, t_end, qk_scale, o_d, m_d,
-                BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def attend_tile(m_i, l_i, r_i, acc, b_q, row_lim, p_k, p_v, stride_kt, stride_vt, p_bt, stride_btp, stride_kp,
+                stride_vp, num_pages, t0, t_end, qk_scale, o_d, m_d,
+                BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, IS_PAGED: tl.constexpr, HAS_ROW_LIM: tl.constexpr,
+                INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """One step of :func:`attend_tiles`: fold the keys ``[t0, min(t0 + BLOCK_N, t_end))``."""
     o_t = t0 + tl.arange(0, BLOCK_N)
     m_t = o_t < t_end
-    o_t64 = o_t.to(tl.int64)
     m_td = m_t[:, None] & m_d[None, :]
-    b_k = tl.load(p_k + o_t64[:, None] * stride_kt + o_d[None, :], mask=m_td, other=0.0)
+    if IS_PAGED:
+        page = pages_of(p_bt, stride_btp, o_t, m_t, num_pages, PAGE_SIZE)
+        slot = (o_t % PAGE_SIZE).to(tl.int64)
+        o_k = page * stride_kp + slot * stride_kt
+        o_v = page * stride_vp + slot * stride_vt
+    else:
+        o_t64 = o_t.to(tl.int64)
+        o_k = o_t64 * stride_kt
+        o_v = o_t64 * stride_vt
+    b_k = tl.load(p_k + o_k[:, None] + o_d[None, :], mask=m_td, other=0.0)
     b_s = dot(b_q, tl.trans(b_k), None, INPUT_PRECISION, UPCAST) * qk_scale
-    b_s = tl.where(m_t[None, :], b_s, float("-inf"))
+    if HAS_ROW_LIM:
+        b_s = tl.where(m_t[None, :] & (o_t[None, :] < row_lim[:, None]), b_s, float("-inf"))
+    else:
+        b_s = tl.where(m_t[None, :], b_s, float("-inf"))
     m_i, m_ref, alpha = running_max(m_i, tl.max(b_s, 1), 1.0)
-    b_v = tl.load(p_v + o_t64[:, None] * stride_vt + o_d[None, :], mask=m_td, other=0.0)
+    b_v = tl.load(p_v + o_v[:, None] + o_d[None, :], mask=m_td, other=0.0)
     p = tl.exp2(b_s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     p = p.to(b_v.dtype)

@@ -3,27 +3,30 @@
 Note [Shared-segment attention as a prefill-shaped tile]
 --------------------------------------------------------
 A segment of a cascade level (a shared prompt prefix, or one group's shared context) is read by a set of
-requests. For KV head ``i_h`` every query row ``(request, query head)`` of those requests with
+requests. For KV head ``i_h`` every query row ``(request, new token, query head)`` of those requests with
 ``query head // GROUP_SIZE == i_h`` attends to the same keys, so the rows are stacked into the ``M``
-dimension of a tile: ``BLOCK_M`` rows (requests × the ``GROUP_SIZE`` query heads of one KV head) meet each
-``[BLOCK_N, D]`` K/V tile through ``tl.dot`` exactly like a prefill tile, and the segment's K/V bytes are
-read once per row tile instead of once per request. The online softmax over the tiles is ⊕ level 1
-(``softmax_tile``/``finalize`` from ``_state.py``).
+dimension of a tile: ``BLOCK_M`` rows (requests × the ``Q_ROWS`` new tokens × the ``GROUP_SIZE`` query
+heads of one KV head) meet each ``[BLOCK_N, D]`` K/V tile through ``tl.dot`` exactly like a prefill tile,
+and the segment's K/V bytes are read once per row tile instead of once per request. The online softmax
+over the tiles is ⊕ level 1 (``attend_tiles`` from ``_state.py``). A segment is dense (``[S, Hkv, T, D]``
+through its strides) or paged (``IS_PAGED``: pages of a pool through the segment's block-table row).
+Rows see every key of a shared level; ``IS_CAUSAL`` applies the multi-row causal rule when the level is
+the last one (row ``i`` sees positions ``< seq_len - Q_ROWS + 1 + i``).
 
 Rows are numbered in the *segment-sorted* order: requests sorted by segment id, each expanded to its
-``GROUP_SIZE`` heads, so a segment's rows are contiguous. A row tile never crosses a segment: the host
-builds a table ``TILES [n_tiles, 3] = (segment, first sorted row, valid rows)`` and the permutation
+``Q_ROWS * GROUP_SIZE`` rows, so a segment's rows are contiguous. A row tile never crosses a segment: the
+host builds a table ``TILES [n_tiles, 3] = (segment, first sorted row, valid rows)`` and the permutation
 ``PERM`` (sorted position -> request). Tiles past the real count have 0 valid rows and do nothing. When
 every request reads the one segment (``HAS_SEGMENTS=False``) the table is implicit: sorted row = request
-* GROUP_SIZE + head.
+* Q_ROWS * GROUP_SIZE + row within the request.
 
 Grid ``(n_tiles, n_splits, Hkv)``, row tiles fastest so the programs that read the same K/V tiles run
 side by side and share them through L2. Split ``i_s`` covers tokens
 ``[i_s * CHUNK, (i_s + 1) * CHUNK) ∩ [0, seq_len)`` with ``CHUNK = TILES_PER_SPLIT * BLOCK_N``; it writes
-one state per (request, query head) into slot ``i_s`` of an fp32 workspace ``[n_splits, B * Hq, D]`` (lse
-natural log), an empty range giving the empty state (o = 0, lse = -inf). The splits and the other levels
-are then merged with the merge kernel (``merge.py``); every workspace row of every slot is written, so
-the workspace needs no initialisation.
+one state per (request, new token, query head) into slot ``i_s`` of an fp32 workspace ``[n_splits, B * Q
+* Hq, D]`` (lse natural log), an empty range giving the empty state (o = 0, lse = -inf). The splits and
+the other levels are then merged with the merge kernel (``merge.py``); every workspace row of every slot
+is written, so the workspace needs no initialisation.
 """
 import triton
 import triton.language as tl
@@ -31,22 +34,23 @@ import triton.language as tl
 from .._dispatch import next_pow2
 from ._dot import dot_flags
 from ._launch import launch
-from ._state import LOG2E, attend_tiles, split_range
+from ._state import LOG2E, attend_tiles, kv_bases, split_range
 
 
 @triton.jit
 def _prefix_kernel(
-    Q, K, V, SEQ_LENS, PERM, TILES, O_PART, LSE_PART,
-    sm_scale, T_MAX, TILES_PER_SPLIT, N_ROWS,
-    stride_sl, stride_qb, stride_qh,
+    Q, K, V, SEQ_LENS, BLOCK_TABLE, PERM, TILES, O_PART, LSE_PART,
+    sm_scale, T_MAX, TILES_PER_SPLIT, N_ROWS, NUM_PAGES,
+    stride_sl, stride_btb, stride_btp, stride_qb, stride_qq, stride_qh,
     stride_ks, stride_kh, stride_kt,
     stride_vs, stride_vh, stride_vt,
     stride_os, stride_or, stride_ls,
-    GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, Q_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_SEQ_LENS: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
+    HAS_SEQ_LENS: tl.constexpr, HAS_SEGMENTS: tl.constexpr, IS_PAGED: tl.constexpr, IS_CAUSAL: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
+    RPR: tl.constexpr = Q_ROWS * GROUP_SIZE  # rows per request and KV head
     i_t = tl.program_id(0)
     i_s = tl.program_id(1)
     i_h = tl.program_id(2)
@@ -70,70 +74,86 @@ def _prefix_kernel(
     m_m = o_m < n_rows
     m_d = o_d < HEAD_DIM
     m_md = m_m[:, None] & m_d[None, :]
-    o_row = row0 + o_m  # segment-sorted row: request slot * GROUP_SIZE + head in the group
+    o_row = row0 + o_m  # segment-sorted row: request slot * RPR + query row * GROUP_SIZE + head in the group
     if HAS_SEGMENTS:
-        o_req = tl.load(PERM + o_row // GROUP_SIZE, mask=m_m, other=0).to(tl.int64)
+        o_req = tl.load(PERM + o_row // RPR, mask=m_m, other=0).to(tl.int64)
     else:
-        o_req = (o_row // GROUP_SIZE).to(tl.int64)
+        o_req = (o_row // RPR).to(tl.int64)
+    o_q = ((o_row % RPR) // GROUP_SIZE).to(tl.int64)
     o_hq = i_h64 * GROUP_SIZE + o_row % GROUP_SIZE
 
-    p_q = Q + o_req[:, None] * stride_qb + o_hq[:, None] * stride_qh + o_d[None, :]
+    p_q = Q + o_req[:, None] * stride_qb + o_q[:, None] * stride_qq + o_hq[:, None] * stride_qh + o_d[None, :]
     b_q = tl.load(p_q, mask=m_md, other=0.0)
     qk_scale = sm_scale * LOG2E
+    row_lim = seq_len - Q_ROWS + 1 + o_q.to(tl.int32)  # the causal rule, when IS_CAUSAL
 
-    p_k = K + i_seg * stride_ks + i_h64 * stride_kh
-    p_v = V + i_seg * stride_vs + i_h64 * stride_vh
-    b_o, b_lse = attend_tiles(b_q, p_k, p_v, stride_kt, stride_vt, t_start, t_end, qk_scale, o_d, m_d,
-                               BLOCK_M, BLOCK_N, BLOCK_D, INPUT_PRECISION, UPCAST)
+    p_k, p_v = kv_bases(K, V, i_seg, i_h64, stride_ks, stride_kh, stride_vs, stride_vh, IS_PAGED)
+    b_o, b_lse = attend_tiles(b_q, row_lim, p_k, p_v, stride_kt, stride_vt, BLOCK_TABLE + i_seg * stride_btb,
+                              stride_btp, stride_ks, stride_vs, NUM_PAGES, t_start, t_end, qk_scale, o_d, m_d,
+                              BLOCK_M, BLOCK_N, BLOCK_D, PAGE_SIZE, IS_PAGED, IS_CAUSAL, INPUT_PRECISION, UPCAST)
 
-    o_out = o_req * n_hq + o_hq  # workspace row: request * Hq + query head
+    o_out = (o_req * Q_ROWS + o_q) * n_hq + o_hq  # workspace row: (request * Q + query row) * Hq + query head
     i_s64 = i_s.to(tl.int64)
     p_o = O_PART + i_s64 * stride_os + o_out[:, None] * stride_or + o_d[None, :]
     tl.store(p_o, b_o, mask=m_md)
     tl.store(LSE_PART + i_s64 * stride_ls + o_out, b_lse, mask=m_m)
 
 
-# Realistic sm_90 compiles of this file's kernel (bf16, D = 128, Hq/Hkv = 4), checked by tests/test_aot.py.
-_PTRS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "SEQ_LENS": "*i32", "PERM": "*i64", "TILES": "*i32",
-         "O_PART": "*fp32", "LSE_PART": "*fp32", "sm_scale": "fp32"}
+# Realistic sm_90 compiles of this file's kernel (bf16, D = 128, Hq/Hkv = 4), checked by tests/test_aot.py:
+# one segment read by all, dense; segments with ids and lengths; paged segments with 4 causal rows.
+_PTRS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "SEQ_LENS": "*i32", "BLOCK_TABLE": "*i32", "PERM": "*i64",
+         "TILES": "*i32", "O_PART": "*fp32", "LSE_PART": "*fp32", "sm_scale": "fp32"}
 AOT_SPECS = [
     {
         "kernel": _prefix_kernel,
         "signature": _PTRS,
-        "constexprs": dict(GROUP_SIZE=4, HEAD_DIM=128, BLOCK_M=128, BLOCK_N=64, BLOCK_D=128,
-                           HAS_SEQ_LENS=has_seq_lens, HAS_SEGMENTS=has_segments,
-                           INPUT_PRECISION="tf32", UPCAST=False),
+        "constexprs": dict(GROUP_SIZE=4, Q_ROWS=q_rows, HEAD_DIM=128, PAGE_SIZE=page, BLOCK_M=128, BLOCK_N=64,
+                           BLOCK_D=128, HAS_SEQ_LENS=has_seq_lens, HAS_SEGMENTS=has_segments, IS_PAGED=page > 1,
+                           IS_CAUSAL=q_rows > 1, INPUT_PRECISION="tf32", UPCAST=False),
         "options": {"num_warps": 8, "num_stages": 3},
     }
-    for has_seq_lens, has_segments in ((False, False), (True, True))
+    for has_seq_lens, has_segments, page, q_rows in ((False, False, 1, 1), (True, True, 1, 1), (True, True, 16, 4))
 ]
 
 
-def prefix_attention(q, k, v, seq_lens, perm, tiles, o_part, lse_part, *, sm_scale, plan):
+def prefix_attention(q, k, v, seq_lens, block_table, perm, tiles, o_part, lse_part, *, sm_scale, plan,
+                     kv_layout="HND", causal=False):
     """Launch the shared-segment kernel; inputs were validated by :func:`cp_attention.cascade_decode`.
 
-    ``q [B, Hq, D]``; ``k``/``v [S, Hkv, T, D]`` (unit stride in D); ``seq_lens [S]`` or ``None``;
-    ``perm [B]`` int64 (segment-sorted position -> request) and ``tiles [n_tiles, 3]`` int32, or both
-    ``None`` when the level has one segment read by every request; ``plan`` a
-    :class:`cp_attention.heuristics.PrefixPlan`. Writes ``o_part [num_splits, B * Hq, D]`` float32 and
-    ``lse_part [num_splits, B * Hq]`` float32 (natural log), unit stride in D.
+    ``q [B, Hq, D]`` or ``[B, Q, Hq, D]``; ``k``/``v``: segments ``[S, Hkv, T, D]`` (``kv_layout="HND"``) or
+    ``[S, T, Hkv, D]``, or with ``block_table [S, max_pages]`` page pools ``[P, Hkv, page, D]`` / ``[P,
+    page, Hkv, D]`` (unit stride in D); ``seq_lens [S]`` or ``None``; ``perm [B]`` int64 (segment-sorted
+    position -> request) and ``tiles [n_tiles, 3]`` int32, or both ``None`` when the level has one
+    segment read by every request; ``plan`` a :class:`cp_attention.heuristics.PrefixPlan`; ``causal``: the
+    causal rule of multi-row queries on this level. Writes ``o_part [num_splits, B * Q * Hq, D]`` float32
+    and ``lse_part [num_splits, B * Q * Hq]`` float32 (natural log), unit stride in D.
     """
-    batch, hq, head_dim = q.shape
-    hkv, t_max = k.shape[1], k.shape[2]
+    batch, hq, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
+    q_rows = q.shape[1] if q.dim() == 4 else 1
+    paged = block_table is not None
+    if kv_layout == "HND":
+        hkv, t_dim = k.shape[1], 2
+        ks, vs = k.stride()[:3], v.stride()[:3]
+    else:
+        hkv, t_dim = k.shape[2], 1
+        ks, vs = (k.stride(0), k.stride(2), k.stride(1)), (v.stride(0), v.stride(2), v.stride(1))
+    page_size = k.shape[t_dim] if paged else 1
+    t_max = block_table.shape[1] * page_size if paged else k.shape[t_dim]
     cfg = plan.config
     has_segments = tiles is not None
+    qs = q.stride()
+    q_strides = (qs[0], qs[1], qs[2]) if q.dim() == 4 else (qs[0], 0, qs[1])
     launch(
         _prefix_kernel, (plan.n_tiles, plan.num_splits, hkv),
-        (q, k, v, seq_lens if seq_lens is not None else q, perm if has_segments else q,
-         tiles if has_segments else q, o_part, lse_part,
-         float(sm_scale), t_max, plan.tiles_per_split, batch * (hq // hkv),
-         seq_lens.stride(0) if seq_lens is not None else 0, q.stride(0), q.stride(1),
-         k.stride(0), k.stride(1), k.stride(2),
-         v.stride(0), v.stride(1), v.stride(2),
-         o_part.stride(0), o_part.stride(1), lse_part.stride(0)),
-        dict(GROUP_SIZE=hq // hkv, HEAD_DIM=head_dim,
+        (q, k, v, seq_lens if seq_lens is not None else q, block_table if paged else q,
+         perm if has_segments else q, tiles if has_segments else q, o_part, lse_part,
+         float(sm_scale), t_max, plan.tiles_per_split, batch * q_rows * (hq // hkv), k.shape[0] if paged else 0,
+         seq_lens.stride(0) if seq_lens is not None else 0,
+         *(block_table.stride() if paged else (0, 0)), *q_strides,
+         *ks, *vs, o_part.stride(0), o_part.stride(1), lse_part.stride(0)),
+        dict(GROUP_SIZE=hq // hkv, Q_ROWS=q_rows, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=next_pow2(head_dim),
-             HAS_SEQ_LENS=seq_lens is not None, HAS_SEGMENTS=has_segments,
-             **dot_flags(q.dtype)),
+             HAS_SEQ_LENS=seq_lens is not None, HAS_SEGMENTS=has_segments, IS_PAGED=paged,
+             IS_CAUSAL=causal and q_rows > 1, **dot_flags(q.dtype)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -2,51 +2,76 @@
 
 Note [Split-KV decode with a fused combine]
 -------------------------------------------
-Grid ``(B * Hkv, S)``. Program ``(i_bh, i_s)`` owns KV head ``i_h`` of sequence ``i_b`` and the token
-range ``[i_s * CHUNK, (i_s + 1) * CHUNK) ∩ [0, seq_len)`` with ``CHUNK = TILES_PER_SPLIT * BLOCK_N``.
-The ``GROUP_SIZE`` query heads that read this KV head are packed into the ``BLOCK_H`` rows of one tile
-(pack-GQA), so each K/V tile is loaded once per group and meets the queries through ``tl.dot``.
-Level 1: the online softmax over ``BLOCK_N`` tiles (``attend_tiles``). An empty range leaves the
-state empty (o = 0, lse = -inf).
+Grid ``(B * Hkv * N_RT, S)``. Program ``(i_p, i_s)`` owns row tile ``i_rt`` of KV head ``i_h`` of
+sequence ``i_b`` and the token range ``[i_s * CHUNK, (i_s + 1) * CHUNK) ∩ [0, seq_len)`` with
+``CHUNK = TILES_PER_SPLIT * BLOCK_N``. Its query rows are the ``Q_ROWS * GROUP_SIZE`` pairs (query row,
+query head) that read this KV head -- the ``GROUP_SIZE`` query heads of the GQA group for each of the
+``Q_ROWS`` new tokens (row ``r`` is token ``r // GROUP_SIZE``, head ``r % GROUP_SIZE``) -- packed into
+the ``BLOCK_H`` rows of one tile (pack-GQA, and the drafts of speculative decoding), so each K/V tile is
+loaded once per tile of rows and meets the queries through ``tl.dot``; ``N_RT`` tiles when the rows do
+not fit one. Level 1: the online softmax over ``BLOCK_N`` tiles (``attend_tiles``). With several query
+rows the causal rule applies: row ``i`` sees the positions ``< seq_len - Q_ROWS + 1 + i``
+(``IS_CAUSAL``), or the limits of a ``ROW_LIMITS [B, Q_ROWS]`` tensor (``HAS_ROW_LIMITS``: what a
+context-parallel rank sees of the global causal rule). A row that sees no key keeps the empty state
+(o = 0, lse = -inf). The cache is dense ``[B, Hkv, T, D]`` (through its strides) or a page pool read
+through a block table (``IS_PAGED``; ``ops/_state.py``).
 
 With one split the program writes the output directly. With several, it writes its state to an fp32
-workspace ``o [B * Hkv, S, GROUP_SIZE, D]``, ``lse [B * Hkv, S, GROUP_SIZE]`` (natural log; the states
-of one (sequence, KV head) are one contiguous block), then takes a ticket from a per-(b, kv-head)
-counter with an acq_rel atomic: the program that draws the last ticket merges the states of the
-non-empty splits for all its query heads at once (level 2, ``merge_tile``: one load round trip per
-``BLOCK_S`` splits) and resets the counter to 0, so the next call (or CUDA-graph replay) starts clean.
+workspace ``o [P, S, ROWS_T, D]``, ``lse [P, S, ROWS_T]`` (``P = B * Hkv * N_RT`` programs of ``ROWS_T``
+rows; natural log; the states of one program's rows are one contiguous block), then takes a ticket from
+a per-program counter with an acq_rel atomic: the program that draws the last ticket merges the states
+of the non-empty splits, ``BLOCK_G`` rows at a time (level 2, ``merge_tile``: one load round trip per
+``BLOCK_S`` splits), and resets the counter to 0, so the next call (or CUDA-graph replay) starts clean.
 One launch, no host synchronisation, no value-dependent allocation. The split layout depends on
 ``T_max`` only; ``seq_lens`` are read on the device.
 
 The output ``o``/``lse`` may be any strided view (fp32 slots of a caller's workspace included), which is
 how cascade levels and context-parallel ranks receive unrounded states.
 """
+from typing import NamedTuple
+
 import triton
 import triton.language as tl
 
 from ._dot import dot_flags
-from ._state import LN2, LOG2E, attend_tiles, merge_tile, split_range
+from ._state import LOG2E, attend_tiles, kv_bases, merge_tile, split_range
 from .._dispatch import next_pow2
 
 
 @triton.jit
+def row_heads(o_r, i_h64, GROUP_SIZE: tl.constexpr, Q_ROWS: tl.constexpr):
+    """Query row ``o_r`` of KV head ``i_h64`` -> (new token, query head), int64: row ``r`` is token
+    ``r // GROUP_SIZE`` and head ``i_h * GROUP_SIZE + r % GROUP_SIZE``."""
+    if Q_ROWS == 1:
+        return o_r.to(tl.int64) * 0, i_h64 * GROUP_SIZE + o_r
+    else:
+        return (o_r // GROUP_SIZE).to(tl.int64), i_h64 * GROUP_SIZE + o_r % GROUP_SIZE
+
+
+@triton.jit
 def _split_kv_kernel(
-    Q, K, V, SEQ_LENS, O, LSE, WORK, COUNTER,
-    sm_scale, T_MAX, TILES_PER_SPLIT, NUM_SPLITS, HKV,
-    stride_qb, stride_qh,
+    Q, K, V, SEQ_LENS, BLOCK_TABLE, ROW_LIMITS, O, LSE, WORK, COUNTER,
+    sm_scale, T_MAX, TILES_PER_SPLIT, NUM_SPLITS, HKV, NUM_PAGES,
+    stride_qb, stride_qq, stride_qh,
     stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt,
-    stride_ob, stride_oh, stride_lb, stride_lh, stride_sl,
-    GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    stride_ob, stride_oq, stride_oh,
+    stride_lb, stride_lq, stride_lh,
+    stride_sl, stride_btb, stride_btp, stride_rlb, stride_rlq,
+    GROUP_SIZE: tl.constexpr, Q_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
-    HAS_SEQ_LENS: tl.constexpr, IS_SPLIT: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_SEQ_LENS: tl.constexpr, IS_PAGED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_ROW_LIMITS: tl.constexpr,
+    IS_SPLIT: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    tl.static_assert(BLOCK_H >= GROUP_SIZE)
-    tl.static_assert(BLOCK_G >= GROUP_SIZE)
-    i_bh = tl.program_id(0)
+    ROWS: tl.constexpr = Q_ROWS * GROUP_SIZE  # query rows per KV head
+    N_RT: tl.constexpr = (ROWS + BLOCK_H - 1) // BLOCK_H  # row tiles
+    ROWS_T: tl.constexpr = BLOCK_H if ROWS > BLOCK_H else ROWS  # rows of a full tile
+    tl.static_assert(BLOCK_G <= BLOCK_H)
+    i_p = tl.program_id(0)
     i_s = tl.program_id(1)
+    i_bh = i_p // N_RT
+    i_rt = i_p % N_RT
     i_b = i_bh // HKV
     i_h = i_bh % HKV
     i_b64 = i_b.to(tl.int64)
@@ -55,51 +80,83 @@ def _split_kv_kernel(
     seq_len, chunk, t_start, t_end = split_range(SEQ_LENS, stride_sl, i_b64, i_s, T_MAX, TILES_PER_SPLIT,
                                                  BLOCK_N, HAS_SEQ_LENS)
 
-    o_g = tl.arange(0, BLOCK_H)
+    o_r = i_rt * BLOCK_H + tl.arange(0, BLOCK_H)  # query rows of this tile
     o_d = tl.arange(0, BLOCK_D)
-    m_g = o_g < GROUP_SIZE
+    m_r = o_r < ROWS
     m_d = o_d < HEAD_DIM
-    m_gd = m_g[:, None] & m_d[None, :]
-    o_hq = i_h64 * GROUP_SIZE + o_g  # query heads of this KV head
+    m_rd = m_r[:, None] & m_d[None, :]
+    o_q, o_hq = row_heads(o_r, i_h64, GROUP_SIZE, Q_ROWS)
 
-    b_q = tl.load(Q + i_b64 * stride_qb + o_hq[:, None] * stride_qh + o_d[None, :], mask=m_gd, other=0.0)
+    b_q = tl.load(Q + i_b64 * stride_qb + (o_q * stride_qq + o_hq * stride_qh)[:, None] + o_d[None, :],
+                  mask=m_rd, other=0.0)
+    if IS_CAUSAL:  # the drafts are the last Q_ROWS keys: row i sees positions < seq_len - Q_ROWS + 1 + i
+        row_lim = seq_len - Q_ROWS + 1 + o_q.to(tl.int32)
+    elif HAS_ROW_LIMITS:
+        row_lim = tl.load(ROW_LIMITS + i_b64 * stride_rlb + o_q * stride_rlq, mask=m_r, other=0)
+    else:
+        row_lim = seq_len
     qk_scale = sm_scale * LOG2E
-    p_k = K + i_b64 * stride_kb + i_h64 * stride_kh
-    p_v = V + i_b64 * stride_vb + i_h64 * stride_vh
-    b_o, b_lse = attend_tiles(b_q, p_k, p_v, stride_kt, stride_vt, t_start, t_end, qk_scale, o_d, m_d,
-                              BLOCK_H, BLOCK_N, BLOCK_D, INPUT_PRECISION, UPCAST)
+    p_k, p_v = kv_bases(K, V, i_b64, i_h64, stride_kb, stride_kh, stride_vb, stride_vh, IS_PAGED)
+    b_o, b_lse = attend_tiles(b_q, row_lim, p_k, p_v, stride_kt, stride_vt, BLOCK_TABLE + i_b64 * stride_btb,
+                              stride_btp, stride_kb, stride_vb, NUM_PAGES, t_start, t_end, qk_scale, o_d, m_d,
+                              BLOCK_H, BLOCK_N, BLOCK_D, PAGE_SIZE, IS_PAGED, IS_CAUSAL or HAS_ROW_LIMITS,
+                              INPUT_PRECISION, UPCAST)
 
     if IS_SPLIT:
-        # Workspace: o [B * Hkv, S, GROUP_SIZE, HEAD_DIM], then lse [B * Hkv, S, GROUP_SIZE].
-        n_states = tl.num_programs(0).to(tl.int64) * NUM_SPLITS * GROUP_SIZE
+        # Workspace: o [P, S, ROWS_T, HEAD_DIM], then lse [P, S, ROWS_T].
+        n_states = tl.num_programs(0).to(tl.int64) * NUM_SPLITS * ROWS_T
         WORK_LSE = WORK + n_states * HEAD_DIM
-        row0 = (i_bh.to(tl.int64) * NUM_SPLITS + i_s) * GROUP_SIZE  # this program's first state
-        tl.store(WORK + (row0 + o_g)[:, None] * HEAD_DIM + o_d[None, :], b_o, mask=m_gd)
-        tl.store(WORK_LSE + row0 + o_g, b_lse, mask=m_g)
+        o_rt = tl.arange(0, BLOCK_H)  # row within the tile
+        m_rt = (o_rt < ROWS_T) & m_r
+        row0 = (i_p.to(tl.int64) * NUM_SPLITS + i_s) * ROWS_T  # this program's first state
+        tl.store(WORK + (row0 + o_rt)[:, None] * HEAD_DIM + o_d[None, :], b_o, mask=m_rt[:, None] & m_d[None, :])
+        tl.store(WORK_LSE + row0 + o_rt, b_lse, mask=m_rt)
         tl.debug_barrier()
-        ticket = tl.atomic_add(COUNTER + i_bh, 1, sem="acq_rel", scope="gpu")
+        ticket = tl.atomic_add(COUNTER + i_p, 1, sem="acq_rel", scope="gpu")
         if ticket == NUM_SPLITS - 1:
-            # Last program of this (b, kv head): merge the non-empty splits of all its query heads.
-            first = i_bh.to(tl.int64) * NUM_SPLITS * GROUP_SIZE
-            o_gm = tl.arange(0, BLOCK_G)
-            m_gm = o_gm < GROUP_SIZE
-            b_om, b_lsem = merge_tile(WORK_LSE + first, WORK + first * HEAD_DIM, tl.cdiv(seq_len, chunk),
-                                      GROUP_SIZE, 1, GROUP_SIZE * HEAD_DIM, HEAD_DIM, o_gm, m_gm, o_d, m_d,
-                                      BLOCK_S, BLOCK_G, BLOCK_D, ".cg")
-            o_hqm = i_h64 * GROUP_SIZE + o_gm
-            p_o = O + i_b64 * stride_ob + o_hqm[:, None] * stride_oh + o_d[None, :]
-            tl.store(p_o, b_om.to(O.dtype.element_ty), mask=m_gm[:, None] & m_d[None, :])
-            tl.store(LSE + i_b64 * stride_lb + o_hqm * stride_lh, b_lsem, mask=m_gm)
-            tl.atomic_xchg(COUNTER + i_bh, 0)
+            # Last program of this row tile: merge the non-empty splits, BLOCK_G rows at a time.
+            first = i_p.to(tl.int64) * NUM_SPLITS * ROWS_T
+            n_valid = tl.cdiv(seq_len, chunk)
+            for c in tl.static_range(0, (ROWS_T + BLOCK_G - 1) // BLOCK_G):
+                o_g = c * BLOCK_G + tl.arange(0, BLOCK_G)
+                o_rg = i_rt * BLOCK_H + o_g
+                m_g = (o_g < ROWS_T) & (o_rg < ROWS)
+                b_om, b_lsem = merge_tile(WORK_LSE + first, WORK + first * HEAD_DIM, n_valid, ROWS_T, 1,
+                                          ROWS_T * HEAD_DIM, HEAD_DIM, o_g, m_g, o_d, m_d,
+                                          BLOCK_S, BLOCK_G, BLOCK_D, ".cg")
+                o_qg, o_hg = row_heads(o_rg, i_h64, GROUP_SIZE, Q_ROWS)
+                p_o = O + i_b64 * stride_ob + (o_qg * stride_oq + o_hg * stride_oh)[:, None] + o_d[None, :]
+                tl.store(p_o, b_om.to(O.dtype.element_ty), mask=m_g[:, None] & m_d[None, :])
+                tl.store(LSE + i_b64 * stride_lb + o_qg * stride_lq + o_hg * stride_lh, b_lsem, mask=m_g)
+            tl.atomic_xchg(COUNTER + i_p, 0)
     else:
-        p_o = O + i_b64 * stride_ob + o_hq[:, None] * stride_oh + o_d[None, :]
-        tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_gd)
-        tl.store(LSE + i_b64 * stride_lb + o_hq * stride_lh, b_lse, mask=m_g)
+        p_o = O + i_b64 * stride_ob + (o_q * stride_oq + o_hq * stride_oh)[:, None] + o_d[None, :]
+        tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_rd)
+        tl.store(LSE + i_b64 * stride_lb + o_q * stride_lq + o_hq * stride_lh, b_lse, mask=m_r)
 
 
-def workspace_floats(batch: int, hkv: int, group: int, head_dim: int, num_splits: int) -> int:
+class RowTiling(NamedTuple):
+    """How the ``Q_ROWS * GROUP_SIZE`` query rows of a KV head are tiled: ``n_rt`` tiles of ``block_h``
+    rows (a full tile holds ``rows_t``), merged ``block_g`` rows at a time by the combine."""
+
+    block_h: int
+    n_rt: int
+    rows_t: int
+    block_g: int
+
+
+def row_tiling(q_rows: int, group: int) -> RowTiling:
+    """Tiles of at most 64 rows (16 at least: the smallest ``tl.dot`` tile); the combine holds at most 16
+    rows of states at once."""
+    rows = q_rows * group
+    block_h = max(16, min(64, next_pow2(rows)))
+    rows_t = min(rows, block_h)
+    return RowTiling(block_h, -(-rows // block_h), rows_t, min(16, next_pow2(rows_t)))
+
+
+def workspace_floats(batch: int, hkv: int, tiling: RowTiling, head_dim: int, num_splits: int) -> int:
     """fp32 elements of the split workspace (0 without splits)."""
-    return 0 if num_splits == 1 else batch * hkv * num_splits * group * (head_dim + 1)
+    return 0 if num_splits == 1 else batch * hkv * tiling.n_rt * num_splits * tiling.rows_t * (head_dim + 1)
 
 
 def combine_block_s(num_splits: int, block_g: int, block_d: int) -> int:
@@ -108,36 +165,48 @@ def combine_block_s(num_splits: int, block_g: int, block_d: int) -> int:
     return max(1, min(next_pow2(num_splits), 8192 // (block_g * block_d)))
 
 
-def split_kv_launch_config(dtype, hq: int, hkv: int, head_dim: int, plan, has_seq_lens: bool):
-    """``(constexprs, launch options)`` of the split-KV kernel for a :class:`~cp_attention.heuristics.DecodePlan`.
+def split_kv_launch_config(dtype, group: int, q_rows: int, head_dim: int, plan, *, has_seq_lens: bool,
+                           page_size: int, causal: bool, row_limits: bool):
+    """``(constexprs, launch options, row tiling)`` of the split-KV kernel for a
+    :class:`~cp_attention.heuristics.DecodePlan`; ``page_size`` 0 for a dense cache.
 
-    The kernel's arguments, in order: ``q [B, Hq, D]``; ``k``, ``v`` read as ``[B, Hkv, T, D]`` through
-    their strides (unit stride in D); ``seq_lens [B]`` (any stride; any tensor when unused); ``o [B, Hq,
-    D]`` (any float dtype, unit stride in D) and ``lse [B, Hq]`` float32 natural log, any strides; the
-    fp32 workspace (:func:`workspace_floats` elements) and ``B * Hkv`` zeroed int32 tickets (left zeroed);
-    ``sm_scale``; then ``T_max``, the plan's tiles per split and splits, ``Hkv`` and the strides.
+    The kernel's arguments, in order: ``q [B, Q, Hq, D]`` (unit stride in D); ``k``, ``v`` (a dense cache
+    read as ``[B, Hkv, T, D]``, or page pools read as ``[pages, Hkv, page_size, D]``, through their
+    strides, unit stride in D); ``seq_lens [B]``, ``block_table [B, max_pages]``, ``row_limits [B, Q]``
+    (any strides; any tensor when unused); ``o [B, Q, Hq, D]`` (any float dtype, unit stride in D) and
+    ``lse [B, Q, Hq]`` float32 natural log, any strides; the fp32 workspace (:func:`workspace_floats`
+    elements) and ``B * Hkv * n_rt`` zeroed int32 tickets (left zeroed); ``sm_scale``; then ``T_max``,
+    the plan's tiles per split and splits, ``Hkv``, the pool's pages and the strides.
     """
-    group = hq // hkv
-    block_g = next_pow2(group)
+    tiling = row_tiling(q_rows, group)
     block_d = next_pow2(head_dim)
-    constexprs = dict(GROUP_SIZE=group, HEAD_DIM=head_dim, BLOCK_H=max(16, block_g), BLOCK_N=plan.config.block_n,
-                      BLOCK_D=block_d, BLOCK_G=block_g,
-                      BLOCK_S=combine_block_s(plan.num_splits, block_g, block_d),
-                      HAS_SEQ_LENS=has_seq_lens, IS_SPLIT=plan.num_splits > 1, **dot_flags(dtype))
-    return constexprs, dict(num_warps=plan.config.num_warps, num_stages=plan.config.num_stages)
+    constexprs = dict(GROUP_SIZE=group, Q_ROWS=q_rows, HEAD_DIM=head_dim, PAGE_SIZE=max(page_size, 1),
+                      BLOCK_H=tiling.block_h, BLOCK_N=plan.config.block_n, BLOCK_D=block_d, BLOCK_G=tiling.block_g,
+                      BLOCK_S=combine_block_s(plan.num_splits, tiling.block_g, block_d),
+                      HAS_SEQ_LENS=has_seq_lens, IS_PAGED=page_size > 0, IS_CAUSAL=causal, HAS_ROW_LIMITS=row_limits,
+                      IS_SPLIT=plan.num_splits > 1, **dot_flags(dtype))
+    return constexprs, dict(num_warps=plan.config.num_warps, num_stages=plan.config.num_stages), tiling
 
 
-# Realistic sm_90 compiles of this file's kernel, checked on the CPU by tests/test_aot.py.
-_PTRS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "SEQ_LENS": "*i32", "O": "*bf16", "LSE": "*fp32",
-         "WORK": "*fp32", "COUNTER": "*i32", "sm_scale": "fp32"}
-AOT_SPECS = [
-    {
+def _aot_spec(group, q_rows, split, page_size=0, causal=False, row_limits=False, block_n=128):
+    tiling = row_tiling(q_rows, group)
+    return {
         "kernel": _split_kv_kernel,
-        "signature": _PTRS,
-        "constexprs": dict(GROUP_SIZE=group, HEAD_DIM=128, BLOCK_H=16, BLOCK_N=128, BLOCK_D=128,
-                           BLOCK_G=next_pow2(group), BLOCK_S=combine_block_s(16, next_pow2(group), 128), HAS_SEQ_LENS=True, IS_SPLIT=split,
+        "signature": {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "SEQ_LENS": "*i32", "BLOCK_TABLE": "*i32",
+                      "ROW_LIMITS": "*i32", "O": "*bf16", "LSE": "*fp32", "WORK": "*fp32", "COUNTER": "*i32",
+                      "sm_scale": "fp32"},
+        "constexprs": dict(GROUP_SIZE=group, Q_ROWS=q_rows, HEAD_DIM=128, PAGE_SIZE=max(page_size, 1),
+                           BLOCK_H=tiling.block_h, BLOCK_N=block_n, BLOCK_D=128, BLOCK_G=tiling.block_g,
+                           BLOCK_S=combine_block_s(16, tiling.block_g, 128), HAS_SEQ_LENS=True,
+                           IS_PAGED=page_size > 0, IS_CAUSAL=causal, HAS_ROW_LIMITS=row_limits, IS_SPLIT=split,
                            INPUT_PRECISION="tf32", UPCAST=False),
         "options": {"num_warps": 4, "num_stages": 3},
     }
-    for group, split in ((4, True), (5, False), (8, True))
-]
+
+
+# Realistic sm_90 compiles of this file's kernel, checked on the CPU by tests/test_aot.py: dense single-row
+# (GQA 4 split, GQA 5, GQA 8 split), paged (page 16 and page 64), 4 causal rows, and 16 rows x GQA 8 with
+# row limits (two row tiles).
+AOT_SPECS = [_aot_spec(4, 1, True), _aot_spec(5, 1, False), _aot_spec(8, 1, True),
+             _aot_spec(4, 1, True, page_size=16), _aot_spec(4, 1, False, page_size=64),
+             _aot_spec(4, 4, True, causal=True), _aot_spec(8, 16, True, page_size=16, row_limits=True)]

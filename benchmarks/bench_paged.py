@@ -1,0 +1,138 @@
+"""Paged KV caches and multi-row queries on one GPU: cp_attention.flash_decode on page pools against the same
+kernel on the dense cache, against FlashInfer 0.7.2 on the same pages (XQA and the fa2 tensor-core wrapper),
+and Q = 4 draft rows against one row.
+
+bf16, Hq=32, Hkv=8, D=128, every sequence at the full context T. Sections (``--sections``):
+
+* ``page-vs-dense``: B=1 T=128k and B=64 T=8k, dense and pages of 1, 16 and 64 slots (shuffling the page
+  order does not change the bytes read; the pools here are in sequence order, as peers.paged builds them);
+* ``peers``: B in {1, 4, 16, 64} x T in {2k, 8k, 32k, 128k} at pages of 16 and 64: cp_attention paged,
+  FlashInfer XQA (page 16 or 64) and FlashInfer fa2 tensor cores on the same page size;
+* ``drafts``: B=32 T=8k with Q=4 rows (the causal rule among the drafts) against Q=1 (the same bytes), and
+  FlashInfer fa2 with ``q_len_per_req=4``.
+
+µs per call with 20 calls captured in one CUDA graph and per eager call (benchmarks/_harness.py), TB/s of
+the K+V bytes. Needs FlashInfer for the peer lines (installed as bench_decode.py's docstring says; without it
+those rows record the import error):
+
+    PYTHONPATH=/tmp/site:. python3 benchmarks/bench_paged.py
+    PYTHONPATH=. python3 benchmarks/bench_paged.py --sections page-vs-dense drafts
+
+Writes benchmarks/results/bench_paged.json and bench_paged.png.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import peers  # noqa: E402
+from benchmarks._harness import RESULTS, TOLERANCES, measure, table, tbs, tqdm, write_json  # noqa: E402
+from cp_attention import flash_decode  # noqa: E402
+
+HQ, HKV, D, DT = 32, 8, 128, torch.bfloat16
+SECTIONS = ("page-vs-dense", "peers", "drafts")
+
+
+def cases(sections):
+    out = []
+    if "page-vs-dense" in sections:
+        for b, t in ((1, 131072), (64, 8192)):
+            out.append(("page-vs-dense", b, t, 1, {"cp dense": peers.cp_attention,
+                                                   **{f"cp page {p}": functools.partial(peers.cp_attention_paged,
+                                                                                        page_size=p)
+                                                      for p in (1, 16, 64)}}))
+    if "peers" in sections:
+        for b in (1, 4, 16, 64):
+            for t in (2048, 8192, 32768, 131072):
+                impls = {}
+                for p in (16, 64):
+                    impls[f"cp page {p}"] = functools.partial(peers.cp_attention_paged, page_size=p)
+                    impls[f"xqa page {p}"] = functools.partial(peers.flashinfer_xqa, page_size=p)
+                    impls[f"fa2 page {p}"] = functools.partial(peers.flashinfer_fa2, page_size=p)
+                out.append(("peers", b, t, 1, impls))
+    if "drafts" in sections:
+        for q_rows in (1, 4):
+            out.append(("drafts", 32, 8192, q_rows, {"cp dense": peers.cp_attention,
+                                                     "cp page 16": functools.partial(peers.cp_attention_paged,
+                                                                                     page_size=16),
+                                                     "fa2 page 16": functools.partial(peers.flashinfer_fa2,
+                                                                                      page_size=16)}))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
+    ap.add_argument("--time-budget-s", type=float, default=420.0,
+                    help="start no new shape after this many seconds (what was measured is still written)")
+    args = ap.parse_args()
+    start = time.monotonic()
+    rows, not_run = [], []
+    for section, b, t, q_rows, impls in tqdm(cases(args.sections), desc="paged shapes"):
+        if time.monotonic() - start > args.time_budget_s:
+            not_run.append(f"{section} B={b} T={t} Q={q_rows}")
+            continue
+        gen = torch.Generator("cuda").manual_seed(0)
+        shape = (b, HQ, D) if q_rows == 1 else (b, q_rows, HQ, D)
+        q = torch.randn(shape, generator=gen, device="cuda", dtype=DT)
+        k = torch.randn(b, HKV, t, D, generator=gen, device="cuda", dtype=DT)
+        v = torch.randn(b, HKV, t, D, generator=gen, device="cuda", dtype=DT)
+        kv_bytes = 2 * k.numel() * k.element_size()
+        ref = flash_decode(q, k, v)
+        row = {"section": section, "B": b, "T": t, "Q": q_rows, "KV_MB": kv_bytes / 1e6}
+        for name, build in impls.items():
+            measure(row, name, functools.partial(build, q, k, v), ref, f"{section} B={b} T={t} Q={q_rows}")
+            if f"{name}_graph_us" in row:
+                row[f"{name}_ok"] = row[f"{name}_maxdiff"] != "non-finite" and row[f"{name}_maxdiff"] <= TOLERANCES[DT]
+                row[f"{name}_TBs"] = tbs(kv_bytes, row[f"{name}_graph_us"])
+        rows.append(row)
+        write_json("bench_paged", {"rows": rows, "not_run": not_run})
+        del q, k, v, ref
+        gc.collect()
+        torch.cuda.empty_cache()
+    path = write_json("bench_paged", {"rows": rows, "not_run": not_run})
+    if rows:
+        plot(rows)
+    for r in rows:
+        for key, val in r.items():
+            if key.endswith("_error") or (key.endswith("_ok") and not val):
+                print(f"{r['section']} B={r['B']} T={r['T']} Q={r['Q']}: {key} = {val}")
+    if not_run:
+        print("time budget reached, not run:", "; ".join(not_run))
+    names = sorted({k[: -len("_graph_us")] for r in rows for k in r if k.endswith("_graph_us")})
+    print(f"wrote {path}")
+    print(table([{**{c: r[c] for c in ("section", "B", "T", "Q")},
+                  **{n: r.get(f"{n}_graph_us", "") for n in names}} for r in rows], ["section", "B", "T", "Q"] + names))
+
+
+def plot(rows):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(8, 0.6 * len(rows)), 4))
+    names = sorted({k[: -len("_TBs")] for r in rows for k in r if k.endswith("_TBs")})
+    labels = [f"{r['section']}\nB={r['B']} T={r['T']} Q={r['Q']}" for r in rows]
+    width = 0.8 / max(len(names), 1)
+    for i, name in enumerate(names):
+        xs = [j + i * width for j, r in enumerate(rows) if f"{name}_TBs" in r]
+        ys = [r[f"{name}_TBs"] for r in rows if f"{name}_TBs" in r]
+        ax.bar(xs, ys, width, label=name)
+    ax.set_xticks([j + 0.4 for j in range(len(rows))], labels, fontsize=6, rotation=90)
+    ax.set_ylabel("TB/s (K+V bytes / graph time)")
+    ax.legend(fontsize=6, ncol=3)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "bench_paged.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()
