@@ -1,6 +1,8 @@
 """Decode attention on one GPU, side by side: cp_attention.flash_decode, torch SDPA (default backend
 selection, and forced to the flash backend as a second line), FlashInfer 0.7.2's XQA kernel (page 64)
-and its FA2 tensor-core paged decode (page 16); optionally XQA on an FP8 e4m3 copy of the cache.
+and its FA2 tensor-core paged decode (page 16); optionally XQA and cp_attention on FP8 e4m3 copies of the
+cache (``--impls ... flashinfer_xqa_fp8 cp_attention_fp8``; the FP8 bars: ``--impls cp_attention
+cp_attention_fp8 flashinfer_xqa_fp8 --shapes 1x128k 1x1M 16x32k 64x8k --heads``).
 
 bf16, Hq=32, Hkv=8, D=128 (``--dtype`` changes the dtype). Shapes: B in {1, 4, 16, 64} x T in {2k, 8k,
 32k, 128k}; B=1 at T in {512, 1k, 4k, 16k, 64k, 256k, 1M}; other head shapes (Hq, Hkv, D) in
@@ -64,6 +66,7 @@ IMPLS = {
     "flashinfer_xqa": Impl(peers.flashinfer_xqa, copy=1.0),
     "flashinfer_fa2": Impl(peers.flashinfer_fa2, copy=1.0),
     "flashinfer_xqa_fp8": Impl(functools.partial(peers.flashinfer_xqa, fp8=True), copy=0.5, fp8=True),
+    "cp_attention_fp8": Impl(peers.cp_attention_fp8, copy=0.5, fp8=True),
 }
 DEFAULT_IMPLS = ["cp_attention", "sdpa", "sdpa_flash", "flashinfer_xqa", "flashinfer_fa2"]
 HEADS = (32, 8, 128)
@@ -229,13 +232,15 @@ def summary(rows) -> list[dict]:
         s = {"B": r["B"], "T": tokens_str(r["T"]), "heads": r["heads"]}
         for key, name, mode in (("cp graph", "cp_attention", "graph"), ("sdpa graph", "sdpa", "graph"),
                                 ("xqa graph", "flashinfer_xqa", "graph"), ("fa2 graph", "flashinfer_fa2", "graph"),
-                                ("xqa8 graph", "flashinfer_xqa_fp8", "graph"),
+                                ("xqa8 graph", "flashinfer_xqa_fp8", "graph"), ("cp8 graph", "cp_attention_fp8", "graph"),
                                 ("cp call", "cp_attention", "call"), ("sdpa call", "sdpa", "call")):
             if f"{name}_{mode}_us" in r:
                 s[key] = r[f"{name}_{mode}_us"]
         for mode in ("graph", "call"):
             if f"cp {mode}" in s and f"sdpa {mode}" in s:
                 s[f"cp/sdpa {mode}"] = s[f"cp {mode}"] / s[f"sdpa {mode}"]
+        if "cp8 graph" in s and "cp graph" in s:
+            s["cp8/cp graph"] = s["cp8 graph"] / s["cp graph"]
         out.append(s)
     return out
 
@@ -299,7 +304,7 @@ def main():
         print(f"time budget of {args.time_budget_s:g} s reached, not run: {skipped}")
     print(f"wrote {json_path}" + (f" and {png}" if rows else ""))
     print(table(summary(rows), ["B", "T", "heads", "cp graph", "sdpa graph", "xqa graph", "fa2 graph", "xqa8 graph",
-                                "cp call", "sdpa call", "cp/sdpa graph", "cp/sdpa call"]))
+                                "cp8 graph", "cp call", "sdpa call", "cp/sdpa graph", "cp/sdpa call", "cp8/cp graph"]))
 
 
 if __name__ == "__main__":

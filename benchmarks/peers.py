@@ -21,7 +21,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from cp_attention import flash_decode, heuristics, lse_to_base2
+from cp_attention import flash_decode, heuristics, lse_to_base2, quantize_kv
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended workspace size
 
@@ -35,6 +35,13 @@ def cp_splits(q, k) -> int:
     b, hkv, t, d = k.shape
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     return heuristics.decode_plan(b, hkv, t, d, q.dtype, sms).num_splits
+
+
+def cp_attention_fp8(q, k, v, *, dtype=torch.float8_e4m3fn, per_head: bool = False):
+    """cp_attention.flash_decode on an FP8 copy of the cache (``cp_attention.quantize_kv`` amax scales,
+    per tensor by default as XQA's), dequantised in the kernel."""
+    k8, v8, k_scale, v_scale = quantize_kv(k, v, dtype, per_head=per_head)
+    return lambda: flash_decode(q, k8, v8, k_scale=k_scale, v_scale=v_scale)
 
 
 def cp_attention_paged(q, k, v, *, page_size: int = 16):

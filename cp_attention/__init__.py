@@ -5,6 +5,7 @@ exactly with ⊕ (:func:`merge`). See ``state.py`` for the algebra.
 """
 from .cascade import CascadeLevel, cascade_decode
 from .decode import flash_decode
+from .quant import quantize_kv
 from .state import AttentionState, lse_from_base2, lse_to_base2, merge, merge_states
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     "lse_to_base2",
     "lse_from_base2",
     "flash_decode",
+    "quantize_kv",
     "CascadeLevel",
     "cascade_decode",
 ]

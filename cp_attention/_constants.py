@@ -8,3 +8,4 @@ LOG2E = 1.0 / LN2
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)

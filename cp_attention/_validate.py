@@ -7,7 +7,7 @@ import numbers
 
 import torch
 
-from ._constants import FLOAT_DTYPES, INDEX_DTYPES
+from ._constants import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES
 
 
 def _dtype_name(dtype) -> str:
@@ -95,3 +95,36 @@ def check_state_tensors(o, lse, o_name: str, lse_name: str) -> None:
     if o.dim() < 1 or tuple(lse.shape) != tuple(o.shape[:-1]):
         raise ValueError(f"{lse_name} must have shape {tuple(o.shape[:-1])} (= {o_name}.shape[:-1]), "
                          f"got {tuple(lse.shape)}")
+
+
+def check_kv_scales(k_scale, v_scale, kv_dtype, q_dtype, hkv: int, device) -> int:
+    """The dequantisation scales of an FP8 cache: each a positive finite python float, a 0-d float32
+    tensor or an ``[Hkv]`` float32 tensor on ``device``; required for an FP8 cache, refused otherwise.
+    Returns the kernels' ``KV_SCALE`` mode: 0 (no FP8), 1 (float scales), 2 (tensor scales)."""
+    if kv_dtype not in FP8_DTYPES:
+        for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if sc is not None:
+                raise ValueError(f"{name} is only for an FP8 cache (float8_e4m3fn or float8_e5m2), the cache is "
+                                 f"{_dtype_name(kv_dtype)}")
+        return 0
+    if q_dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"q must be float16 or bfloat16 with an FP8 cache, got {_dtype_name(q_dtype)}")
+    kinds = set()
+    for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if sc is None:
+            raise ValueError(f"{name} must be given for an FP8 cache (k.float() * k_scale is the key used)")
+        if isinstance(sc, torch.Tensor):
+            check_tensor(name, sc, dtypes=(torch.float32,), device=device)
+            if sc.dim() > 1 or (sc.dim() == 1 and sc.shape[0] != hkv):
+                raise ValueError(f"{name} must be a 0-d or [{hkv}] (one per KV head) float32 tensor, got shape "
+                                 f"{tuple(sc.shape)}")
+            kinds.add(2)
+        elif isinstance(sc, numbers.Real) and not isinstance(sc, bool):
+            if not (math.isfinite(sc) and sc > 0):
+                raise ValueError(f"{name} must be a positive finite number, got {sc!r}")
+            kinds.add(1)
+        else:
+            raise TypeError(f"{name} must be a float, a 0-d or an [Hkv] float32 tensor, got {type(sc).__name__}")
+    if len(kinds) > 1:
+        raise TypeError("k_scale and v_scale must both be floats or both be tensors")
+    return kinds.pop()

@@ -32,11 +32,11 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import _dispatch
-from ._constants import FLOAT_DTYPES, INDEX_DTYPES
+from ._constants import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES
 from ._dispatch import use_triton
-from ._validate import (check_bool, check_head_dim, check_index_tensor, check_sm_scale, check_tensor,
-                        check_unit_stride, resolve_sm_scale)
-from .decode import MAX_Q_ROWS, flash_decode
+from ._validate import (check_bool, check_head_dim, check_index_tensor, check_kv_scales, check_sm_scale,
+                        check_tensor, check_unit_stride, resolve_sm_scale)
+from .decode import MAX_Q_ROWS, _dequantize, flash_decode
 from .heuristics import num_sms, prefix_plan
 from .state import AttentionState, merge_states
 
@@ -75,7 +75,7 @@ class _Level(NamedTuple):
     t_max: int
 
 
-def _validate(q, levels, sm_scale, return_lse) -> list:
+def _validate(q, levels, sm_scale, return_lse, k_scale, v_scale):
     check_tensor("q", q, dtypes=FLOAT_DTYPES)
     if q.dim() not in (3, 4):
         raise ValueError(f"q must have 3 dims [B, Hq, D] or 4 dims [B, Q, Hq, D], got shape {tuple(q.shape)}")
@@ -99,10 +99,12 @@ def _validate(q, levels, sm_scale, return_lse) -> list:
         for part in ("k", "v"):
             t = getattr(lvl, part)
             check_tensor(f"{name}.{part}", t, ndim=4, device=q.device)
-            if t.dtype != q.dtype:
-                raise TypeError(f"{name}.{part} must have q's dtype {q.dtype}, got {t.dtype}")
+            if t.dtype != q.dtype and t.dtype not in FP8_DTYPES:
+                raise TypeError(f"{name}.{part} must have q's dtype {q.dtype} (or be FP8), got {t.dtype}")
             check_unit_stride(f"{name}.{part}", t)
         k, v = lvl.k, lvl.v
+        if v.dtype != k.dtype:
+            raise TypeError(f"{name}.v must have {name}.k's dtype {k.dtype}, got {v.dtype}")
         if v.shape != k.shape:
             raise ValueError(f"{name}.v must have {name}.k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
         paged = lvl.block_table is not None
@@ -150,10 +152,13 @@ def _validate(q, levels, sm_scale, return_lse) -> list:
         out.append(_Level(lvl, kind, n_seg, t_max))
     check_sm_scale(sm_scale)
     check_bool("return_lse", return_lse)
-    return out
+    fp8 = [lv.lvl.k.dtype for lv in out if lv.lvl.k.dtype in FP8_DTYPES]
+    kv_scale = check_kv_scales(k_scale, v_scale, fp8[0] if fp8 else q.dtype, q.dtype, hkv0, q.device)
+    return out, kv_scale
 
 
-def cascade_decode(q, levels, *, sm_scale=None, return_lse=False, _num_splits=None, _config=None):
+def cascade_decode(q, levels, *, sm_scale=None, k_scale=None, v_scale=None, return_lse=False, _num_splits=None,
+                   _config=None):
     """Exact decode attention over a cache stored in levels of shared and per-request segments.
 
     Equals :func:`cp_attention.flash_decode` over, per request, the concatenation of its segments of
@@ -170,6 +175,9 @@ def cascade_decode(q, levels, *, sm_scale=None, return_lse=False, _num_splits=No
             ``seq_lens``, ``segment_ids`` and the used pages of ``block_table`` are checked on the host
             for CPU tensors; on the GPU they are clamped to their range.
         sm_scale: score scale (default ``1 / sqrt(D)``).
+        k_scale, v_scale: the dequantisation scales of the FP8 levels (levels may be stored in
+            ``float8_e4m3fn``/``float8_e5m2`` with ``q`` float16/bfloat16), as in
+            :func:`cp_attention.flash_decode`; required when a level is FP8, refused otherwise.
         return_lse: also return the natural-log LSE.
 
     Returns:
@@ -184,17 +192,18 @@ def cascade_decode(q, levels, *, sm_scale=None, return_lse=False, _num_splits=No
     >>> cascade_decode(q, [prefix, suffix], return_lse=True).lse.shape
     torch.Size([3, 8])
     """
-    checked = _validate(q, levels, sm_scale, return_lse)
+    checked, kv_scale = _validate(q, levels, sm_scale, return_lse, k_scale, v_scale)
     scale = resolve_sm_scale(sm_scale, q.shape[-1])
+    scales = (k_scale, v_scale, kv_scale)
     last = checked[-1]
     # Levels without positions add nothing to any request.
     work = [lv for lv in checked if lv.t_max > 0]
     if not use_triton(q):
-        st = _cascade_torch(q, work, last, scale)
+        st = _cascade_torch(q, work, last, scale, scales)
     elif q.numel() == 0 or not work:
         st = AttentionState.empty(tuple(q.shape[:-1]), q.shape[-1], dtype=q.dtype, device=q.device)
     else:
-        st = _cascade_triton(q, work, last, scale, _num_splits, _config)
+        st = _cascade_triton(q, work, last, scale, scales, _num_splits, _config)
     return st if return_lse else st.o
 
 
@@ -203,7 +212,7 @@ def _all_visible(q, t_max):
     return torch.full((q.shape[0], q.shape[1]), t_max, dtype=torch.int32, device=q.device)
 
 
-def _cascade_triton(q, work, last, scale, fixed_splits, config) -> AttentionState:
+def _cascade_triton(q, work, last, scale, scales, fixed_splits, config) -> AttentionState:
     from .ops.merge import merge_states_into
     from .ops.prefix import prefix_attention
 
@@ -231,11 +240,12 @@ def _cascade_triton(q, work, last, scale, fixed_splits, config) -> AttentionStat
         lvl, paged = lv.lvl, lv.lvl.block_table is not None
         layout = "NHD" if paged else "HND"
         causal = lv is last
+        k_scale, v_scale, kv_scale = scales if lvl.k.dtype in FP8_DTYPES else (None, None, 0)
         if plan is None:  # the level's fp32 state goes straight into its slot, unrounded
             limits = _all_visible(q, lv.t_max) if q_rows > 1 and not causal else None
             flash_decode(q, lvl.k, lvl.v, lvl.seq_lens, block_table=lvl.block_table, kv_layout=layout,
-                         sm_scale=scale, out=AttentionState(o_all[slot].view(q.shape), lse_all[slot].view(q.shape[:-1])),
-                         _row_limits=limits)
+                         sm_scale=scale, k_scale=k_scale, v_scale=v_scale, _row_limits=limits,
+                         out=AttentionState(o_all[slot].view(q.shape), lse_all[slot].view(q.shape[:-1])))
             slot += 1
             continue
         perm = tiles = None
@@ -243,7 +253,8 @@ def _cascade_triton(q, work, last, scale, fixed_splits, config) -> AttentionStat
             perm, tiles = _tile_table(lvl.segment_ids, lv.n_seg, q_rows * group, plan.config.block_m, plan.n_tiles)
         end = slot + plan.num_splits
         prefix_attention(q, lvl.k, lvl.v, lvl.seq_lens, lvl.block_table, perm, tiles, o_all[slot:end],
-                         lse_all[slot:end], sm_scale=scale, plan=plan, kv_layout=layout, causal=causal)
+                         lse_all[slot:end], sm_scale=scale, plan=plan, kv_layout=layout, causal=causal,
+                         k_scale=k_scale, v_scale=v_scale, kv_scale=kv_scale)
         slot = end
     o = _dispatch.new_buffer(tuple(q.shape), q.dtype, q.device)
     lse = _dispatch.new_buffer(tuple(q.shape[:-1]), torch.float32, q.device)
@@ -276,7 +287,7 @@ def _tile_table(segment_ids, n_seg, group, block_m, n_tiles):
     return perm, torch.stack([t_seg, row0, n_rows], dim=1).to(torch.int32)
 
 
-def _cascade_torch(q, work, last, scale) -> AttentionState:
+def _cascade_torch(q, work, last, scale, scales) -> AttentionState:
     """The float32 torch path: each level gathered per request, attended by the reference (the causal rule
     on the last level only), merged by ⊕."""
     from .reference import attention, paged_to_dense
@@ -293,6 +304,8 @@ def _cascade_torch(q, work, last, scale) -> AttentionState:
         else:
             idx = lvl.segment_ids.long()
         k, v = lvl.k, lvl.v
+        if k.dtype in FP8_DTYPES:
+            k, v = _dequantize(k, v, scales[0], scales[1], "NHD" if lvl.block_table is not None else "HND", 1)
         if lvl.block_table is not None:  # [S, T, Hkv, D] -> [S, Hkv, T, D]
             k, v = (paged_to_dense(t, lvl.block_table, "NHD").transpose(1, 2) for t in (k, v))
         seq = lvl.seq_lens[idx] if lvl.seq_lens is not None else None

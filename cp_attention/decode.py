@@ -20,10 +20,10 @@ from typing import NamedTuple
 import torch
 
 from . import _dispatch
-from ._constants import FLOAT_DTYPES, INDEX_DTYPES
+from ._constants import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES
 from ._dispatch import use_triton
-from ._validate import (check_bool, check_head_dim, check_index_tensor, check_kv_layout, check_sm_scale,
-                        check_tensor, check_unit_stride)
+from ._validate import (check_bool, check_head_dim, check_index_tensor, check_kv_layout, check_kv_scales,
+                        check_sm_scale, check_tensor, check_unit_stride)
 from .heuristics import DecodePlan, decode_plan, num_sms
 from .state import AttentionState
 
@@ -35,17 +35,19 @@ MAX_Q_ROWS = 16
 
 class CacheGeometry(NamedTuple):
     """What :func:`check_decode_args` found: KV heads, capacity ``T_max`` (``max_pages * page_size`` for a
-    page pool), query rows per request, page size (0: dense) and pages in the pool."""
+    page pool), query rows per request, page size (0: dense), pages in the pool and the FP8 scale mode
+    (0: not FP8, 1: float scales, 2: tensor scales)."""
 
     hkv: int
     t_max: int
     q_rows: int
     page_size: int
     num_pages: int
+    kv_scale: int
 
 
 def check_decode_args(q, k, v, seq_lens, *, block_table=None, num_splits=None, kv_layout="HND", plan=None,
-                      out=None, row_limits=None) -> CacheGeometry:
+                      out=None, row_limits=None, k_scale=None, v_scale=None) -> CacheGeometry:
     """Validate :func:`flash_decode`'s tensor arguments (shapes, dtypes, devices, strides; index values of
     host tensors)."""
     check_tensor("q", q, dtypes=FLOAT_DTYPES)
@@ -59,9 +61,11 @@ def check_decode_args(q, k, v, seq_lens, *, block_table=None, num_splits=None, k
         raise ValueError(f"q must have 1 to {MAX_Q_ROWS} query rows per request in dim 1, got {q_rows}")
     for name, t in (("k", k), ("v", v)):
         check_tensor(name, t, ndim=4, device=q.device)
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+        if t.dtype != q.dtype and t.dtype not in FP8_DTYPES:
+            raise TypeError(f"{name} must have q's dtype {q.dtype} (or be an FP8 cache), got {t.dtype}")
         check_unit_stride(name, t)
+    if v.dtype != k.dtype:
+        raise TypeError(f"v must have k's dtype {k.dtype}, got {v.dtype}")
     if k.shape != v.shape:
         raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
     if k.shape[3] != d:
@@ -122,7 +126,8 @@ def check_decode_args(q, k, v, seq_lens, *, block_table=None, num_splits=None, k
             check_tensor("out.lse", lse_out, dtypes=(torch.float32,), device=q.device)
             if lse_out.shape != q.shape[:-1]:
                 raise ValueError(f"out.lse must have shape {tuple(q.shape[:-1])}, got {tuple(lse_out.shape)}")
-    return CacheGeometry(hkv, t_max, q_rows, page_size, num_pages)
+    kv_scale = check_kv_scales(k_scale, v_scale, k.dtype, q.dtype, hkv, q.device)
+    return CacheGeometry(hkv, t_max, q_rows, page_size, num_pages, kv_scale)
 
 
 def _unpack_out(out):
@@ -160,7 +165,7 @@ def _contiguous_strides(shape) -> tuple:
     return tuple(reversed(strides))
 
 
-def _prepare(q, k, v, seq_lens, block_table, row_limits, num_splits, kv_layout, plan, o, lse,
+def _prepare(q, k, v, seq_lens, block_table, row_limits, scales, num_splits, kv_layout, plan, o, lse,
              geo: CacheGeometry) -> _Prepared:
     from .ops._launch import Launcher
     from .ops.split_kv import _split_kv_kernel, split_kv_launch_config, workspace_floats
@@ -168,14 +173,14 @@ def _prepare(q, k, v, seq_lens, block_table, row_limits, num_splits, kv_layout, 
     b, hq, d = q.shape[0], q.shape[-2], q.shape[-1]
     multi = q.dim() == 4
     if plan is None:
-        plan = decode_plan(b, geo.hkv, geo.t_max, d, q.dtype, num_sms(q.device), num_splits)
+        plan = decode_plan(b, geo.hkv, geo.t_max, d, q.dtype, num_sms(q.device), num_splits, kv_dtype=k.dtype)
     ks, vs = k.stride(), v.stride()
     # The kernel reads k/v through (batch or page, KV head, position or slot) strides.
     if kv_layout == "NHD":
         ks, vs = (ks[0], ks[2], ks[1]), (vs[0], vs[2], vs[1])
     constexprs, options, tiling = split_kv_launch_config(
         q.dtype, hq // geo.hkv, geo.q_rows, d, plan, has_seq_lens=seq_lens is not None, page_size=geo.page_size,
-        causal=geo.q_rows > 1 and row_limits is None, row_limits=row_limits is not None)
+        causal=geo.q_rows > 1 and row_limits is None, row_limits=row_limits is not None, kv_scale=geo.kv_scale)
     grid = (b * geo.hkv * tiling.n_rt, plan.num_splits)
     launcher = Launcher(_split_kv_kernel, grid, constexprs, device=q.get_device() if q.is_cuda else None,
                         **options)
@@ -186,7 +191,8 @@ def _prepare(q, k, v, seq_lens, block_table, row_limits, num_splits, kv_layout, 
                 *_bqh(q.stride(), multi), ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], *o_strides, *lse_strides,
                 seq_lens.stride(0) if seq_lens is not None else 0,
                 *(block_table.stride() if block_table is not None else (0, 0)),
-                *(row_limits.stride() if row_limits is not None else (0, 0)))
+                *(row_limits.stride() if row_limits is not None else (0, 0)),
+                *((sc.stride(0) if sc.dim() else 0) if geo.kv_scale == 2 else 0 for sc in scales))
     return _Prepared(plan, launcher, int_args, 1.0 / math.sqrt(d), lse_shape,
                      workspace_floats(b, geo.hkv, tiling, d, plan.num_splits), b * geo.hkv * tiling.n_rt)
 
@@ -237,10 +243,12 @@ def _sig(t) -> tuple:
     return (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() & 15)
 
 
-def _key(q, k, v, seq_lens, block_table, row_limits, num_splits, kv_layout, plan, out):
+def _key(q, k, v, seq_lens, block_table, row_limits, k_scale, v_scale, num_splits, kv_layout, plan, out):
     sig = (*_sig(q), *_sig(k), *_sig(v), num_splits, kv_layout, plan)
     for t in (seq_lens, block_table, row_limits):
         sig += (None,) if t is None else _sig(t)
+    for sc in (k_scale, v_scale):  # the values of float scales are read at every call
+        sig += (None,) if sc is None else _sig(sc) if sc.__class__ is torch.Tensor else (float,)
     if out is not None:
         o, lse = (out, None) if isinstance(out, torch.Tensor) else out
         sig += _sig(o) + ((None,) if lse is None else _sig(lse))
@@ -248,7 +256,7 @@ def _key(q, k, v, seq_lens, block_table, row_limits, num_splits, kv_layout, plan
 
 
 def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num_splits=None, kv_layout="HND",
-                 return_lse=False, out=None, plan=None, _row_limits=None):
+                 k_scale=None, v_scale=None, return_lse=False, out=None, plan=None, _row_limits=None):
     """Exact decode attention over a KV cache, dense or paged, for one or a few new tokens per request
     (Flash-Decoding, one launch).
 
@@ -274,6 +282,11 @@ def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num
         sm_scale: score scale (default ``1 / sqrt(D)``).
         num_splits: ``None`` for the tuned policy (decided from shapes and ``T_max``), or a fixed count
             (``1`` = no split; capped at the number of KV tiles).
+        k_scale, v_scale: required for an FP8 cache (``k``, ``v`` in ``float8_e4m3fn`` or ``float8_e5m2``
+            with ``q`` float16 or bfloat16), refused otherwise: positive python floats, 0-d float32 tensors
+            or ``[Hkv]`` float32 tensors (per KV head). The key used is ``k.float() * k_scale``, the value
+            ``v.float() * v_scale``; the kernel dequantises in registers (``k_scale`` folds into the score
+            scale and ``v_scale`` into the output). :func:`cp_attention.quantize_kv` makes such caches.
         return_lse: also return the natural-log LSE.
         out: where to write: a tensor of q's shape (q's dtype or float32, unit stride in D), or an
             ``AttentionState(o, lse of shape q.shape[:-1] float32)``; any strides. Then no output is
@@ -294,7 +307,7 @@ def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num
     prep = key = None
     if q.__class__ is torch.Tensor and q.is_cuda:
         try:
-            key = _key(q, k, v, seq_lens, block_table, _row_limits, num_splits, kv_layout, plan, out)
+            key = _key(q, k, v, seq_lens, block_table, _row_limits, k_scale, v_scale, num_splits, kv_layout, plan, out)
             prep = _PREPARED.get(key)
         except (AttributeError, TypeError):  # not tensors: the full checks below say what is wrong
             key = None
@@ -302,13 +315,15 @@ def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num
     if prep is None:
         check_bool("return_lse", return_lse)
         geo = check_decode_args(q, k, v, seq_lens, block_table=block_table, num_splits=num_splits,
-                                kv_layout=kv_layout, plan=plan, out=out, row_limits=_row_limits)
+                                kv_layout=kv_layout, plan=plan, out=out, row_limits=_row_limits,
+                                k_scale=k_scale, v_scale=v_scale)
         check_sm_scale(sm_scale)
         if not use_triton(q):
+            k, v = _dequantize(k, v, k_scale, v_scale, kv_layout, geo.kv_scale)
             return _torch_path(q, k, v, seq_lens, block_table, _row_limits, sm_scale, kv_layout, return_lse,
                                o_out, lse_out)
-        prep = _prepare(q, k, v, seq_lens, block_table, _row_limits, num_splits, kv_layout, plan, o_out, lse_out,
-                        geo)
+        prep = _prepare(q, k, v, seq_lens, block_table, _row_limits, (k_scale, v_scale), num_splits, kv_layout,
+                        plan, o_out, lse_out, geo)
         if key is not None:
             if len(_PREPARED) >= _MAX_PREPARED:
                 _PREPARED.clear()
@@ -329,10 +344,38 @@ def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num
         lse = _dispatch.new_buffer(prep.lse_shape, torch.float32, q.device)
     else:
         lse = scratch_lse
+    if k_scale is None:  # not FP8 (an FP8 cache without scales was refused when the key was prepared)
+        k_sc = v_sc = q
+        ks = vs = 1.0
+    elif k_scale.__class__ is torch.Tensor:
+        k_sc, v_sc, ks, vs = k_scale, v_scale, 1.0, 1.0
+    else:
+        if not (k_scale > 0 and v_scale > 0 and math.isfinite(k_scale) and math.isfinite(v_scale)):
+            check_kv_scales(k_scale, v_scale, k.dtype, q.dtype, 1, q.device)
+        k_sc = v_sc = q
+        ks, vs = float(k_scale), float(v_scale)
     if q.shape[0] > 0:
         prep.launcher(q, k, v, q if seq_lens is None else seq_lens, q if block_table is None else block_table,
-                      q if _row_limits is None else _row_limits, o, lse, work, counter, scale, *prep.int_args)
+                      q if _row_limits is None else _row_limits, k_sc, v_sc, o, lse, work, counter, scale, ks, vs,
+                      *prep.int_args)
     return AttentionState(o, lse) if return_lse else o
+
+
+def _dequantize(k, v, k_scale, v_scale, kv_layout, mode):
+    """``k.float() * k_scale``, ``v.float() * v_scale`` (per-head scales on the KV-head dim) for the torch
+    path; the cache itself when it is not FP8."""
+    if mode == 0:
+        return k, v
+    head_dim = 1 if kv_layout == "HND" else 2
+    out = []
+    for t, sc in ((k, k_scale), (v, v_scale)):
+        sc = torch.as_tensor(sc, dtype=torch.float32, device=t.device)
+        if sc.dim() == 1:
+            shape = [1, 1, 1, 1]
+            shape[head_dim] = sc.shape[0]
+            sc = sc.view(shape)
+        out.append(t.float() * sc)
+    return out
 
 
 def _torch_path(q, k, v, seq_lens, block_table, row_limits, sm_scale, kv_layout, return_lse, o_out, lse_out):

@@ -36,9 +36,9 @@ import torch
 import torch.distributed as dist
 
 from . import _dispatch
-from ._constants import FLOAT_DTYPES, INDEX_DTYPES
-from ._validate import (check_bool, check_index_tensor, check_int, check_kv_layout, check_sm_scale, check_state,
-                        check_tensor)
+from ._constants import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES
+from ._validate import (check_bool, check_index_tensor, check_int, check_kv_layout, check_kv_scales, check_sm_scale,
+                        check_state, check_tensor)
 from .decode import check_decode_args, flash_decode
 from .state import AttentionState, merge_states
 
@@ -127,7 +127,7 @@ def shard_kv(k, v, seq_lens, rank, world_size, placement="contiguous", *, kv_lay
 
     Args:
         k, v: ``[B, Hkv, T_max, D]`` (``kv_layout="HND"``) or ``[B, T_max, Hkv, D]`` (``"NHD"``), one shape,
-            dtype and device; any float dtype, any strides.
+            dtype and device; any float dtype (FP8 included), any strides.
         seq_lens: ``[B]`` int32/int64 on k's device (any stride), ``0 <= len <= T_max``, or ``None`` (all
             ``T_max``).
         rank: this rank, ``0 <= rank < world_size``.
@@ -153,7 +153,7 @@ def shard_kv(k, v, seq_lens, rank, world_size, placement="contiguous", *, kv_lay
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
     check_kv_layout(kv_layout)
-    check_tensor("k", k, dtypes=FLOAT_DTYPES, ndim=4)
+    check_tensor("k", k, dtypes=FLOAT_DTYPES + FP8_DTYPES, ndim=4)
     check_tensor("v", v, dtypes=(k.dtype,), ndim=4, device=k.device)
     if v.shape != k.shape:
         raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
@@ -196,7 +196,7 @@ def _check_metadata(q, k_shard, v_shard, seq_lens_shard, kwargs, group, row_limi
     try:
         geo = check_decode_args(q, k_shard, v_shard, seq_lens_shard, block_table=kwargs.get("block_table"),
                                 num_splits=kwargs.get("num_splits"), kv_layout=kwargs.get("kv_layout", "HND"),
-                                row_limits=row_limits)
+                                row_limits=row_limits, k_scale=kwargs.get("k_scale"), v_scale=kwargs.get("v_scale"))
         check_sm_scale(kwargs.get("sm_scale"))
         b, hq, d = q.shape[0], q.shape[-2], q.shape[-1]
         scale = kwargs.get("sm_scale")
@@ -267,9 +267,9 @@ def cp_flash_decode(q, k_shard, v_shard, seq_lens_shard, *, group=None, check_me
         check_metadata: all-gather ``(B, Hq, D, dtype, Hkv, sm_scale)`` first and raise ``ValueError`` on
             every rank if they differ or if any rank rejected its arguments (instead of a hang or a wrong
             merge). It syncs with the host: pass ``False`` on the hot path and inside CUDA graphs.
-        **flash_decode_kwargs: ``block_table``, ``sm_scale``, ``num_splits``, ``kv_layout``, ``return_lse``
-            as in :func:`flash_decode` (``sm_scale`` must be the same on every rank; ``block_table`` is
-            this rank's).
+        **flash_decode_kwargs: ``block_table``, ``sm_scale``, ``num_splits``, ``kv_layout``, ``k_scale``,
+            ``v_scale``, ``return_lse`` as in :func:`flash_decode` (``sm_scale`` must be the same on every
+            rank; ``block_table`` is this rank's; FP8 scales may differ across ranks).
 
     Returns:
         ``o [B, Hq, D]`` in q's dtype, or ``AttentionState(o, lse [B, Hq] float32, natural log)`` with
@@ -323,9 +323,11 @@ class CPKVCache:
     """
 
     def __init__(self, batch, heads_kv, head_dim, max_seq_len, *, dtype=torch.bfloat16, device=None,
-                 rank=None, world_size=None, group=None, page_size=None):
+                 rank=None, world_size=None, group=None, page_size=None, k_scale=None, v_scale=None):
         """Empty cache for ``batch`` sequences of up to ``max_seq_len`` tokens each (all ranks together);
-        ``page_size`` (int >= 1): keep the shard in pages of that many slots.
+        ``page_size`` (int >= 1): keep the shard in pages of that many slots. An FP8 ``dtype``
+        (``float8_e4m3fn``/``float8_e5m2``) needs the dequantisation scales ``k_scale``/``v_scale`` (as in
+        :func:`flash_decode`); :meth:`append` then quantises float16/bfloat16/float32 tokens with them.
 
         ``rank`` and ``world_size`` default to this process's rank and size in ``group``.
         """
@@ -335,8 +337,11 @@ class CPKVCache:
         max_seq_len = check_int("max_seq_len", max_seq_len, 1)
         if page_size is not None:
             page_size = check_int("page_size", page_size, 1)
-        if dtype not in FLOAT_DTYPES:
-            raise TypeError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype}")
+        if dtype not in FLOAT_DTYPES + FP8_DTYPES:
+            raise TypeError(f"dtype must be one of {FLOAT_DTYPES + FP8_DTYPES}, got {dtype}")
+        device = torch.device("cpu") if device is None else torch.device(device)
+        check_kv_scales(k_scale, v_scale, dtype, torch.bfloat16, heads_kv, device)
+        self.k_scale, self.v_scale = k_scale, v_scale
         world_size = dist.get_world_size(group) if world_size is None else world_size
         world_size = check_int("world_size", world_size, 1)
         rank = dist.get_rank(group) if rank is None else rank
@@ -346,7 +351,6 @@ class CPKVCache:
         self.max_seq_len = max_seq_len
         self.capacity = -(-max_seq_len // world_size)
         self.page_size = page_size
-        device = torch.device("cpu") if device is None else torch.device(device)
         if page_size is None:
             shape = (batch, heads_kv, self.capacity + 1, head_dim)  # + 1: the scratch slot of non-owners
             self._k = torch.zeros(shape, dtype=dtype, device=device)
@@ -368,18 +372,27 @@ class CPKVCache:
         self._host_max_len = 0
 
     @classmethod
-    def from_prefix(cls, k, v, seq_lens, max_seq_len, *, rank=None, world_size=None, group=None, page_size=None):
+    def from_prefix(cls, k, v, seq_lens, max_seq_len, *, rank=None, world_size=None, group=None, page_size=None,
+                    dtype=None, k_scale=None, v_scale=None):
         """Cache holding this rank's interleaved shard of a prefix ``k``, ``v`` ``[B, Hkv, T, D]`` with
-        ``seq_lens [B]`` (``None``: all ``T``), room for ``max_seq_len >= T`` tokens per sequence.
+        ``seq_lens [B]`` (``None``: all ``T``), room for ``max_seq_len >= T`` tokens per sequence. ``dtype``
+        (default k's) may be FP8: the prefix is quantised with ``k_scale``/``v_scale``, or with the per-tensor
+        amax scales of :func:`cp_attention.quantize_kv` of the whole prefix when they are not given (the same
+        on every rank, which holds the same prefix).
 
         >>> cache = CPKVCache.from_prefix(k, v, seq_lens, max_seq_len=k.shape[2] + 64)
         """
-        check_tensor("k", k, dtypes=FLOAT_DTYPES, ndim=4)
+        check_tensor("k", k, dtypes=FLOAT_DTYPES + FP8_DTYPES, ndim=4)
         b, hkv, t, d = k.shape
         if isinstance(max_seq_len, numbers.Integral) and max_seq_len < t:
             raise ValueError(f"max_seq_len must be >= the prefix capacity T = {t}, got {max_seq_len}")
-        cache = cls(b, hkv, d, max_seq_len, dtype=k.dtype, device=k.device, rank=rank,
-                    world_size=world_size, group=group, page_size=page_size)
+        dtype = k.dtype if dtype is None else dtype
+        if dtype in FP8_DTYPES and k.dtype not in FP8_DTYPES and k_scale is None and v_scale is None:
+            from .quant import quantize_kv
+
+            k, v, k_scale, v_scale = quantize_kv(k, v, dtype)
+        cache = cls(b, hkv, d, max_seq_len, dtype=dtype, device=k.device, rank=rank, world_size=world_size,
+                    group=group, page_size=page_size, k_scale=k_scale, v_scale=v_scale)
         k_shard, v_shard, _ = shard_kv(k, v, seq_lens, cache.rank, cache.world_size, "interleaved")
         n = k_shard.shape[2]
         slots = torch.arange(n, device=k.device).expand(b, n)
@@ -388,8 +401,13 @@ class CPKVCache:
         return cache
 
     def _store(self, slots, mine, k_rows, v_rows) -> None:
-        """Write ``k_rows``/``v_rows [B, n, Hkv, D]`` at local ``slots [B, n]`` where ``mine``; the others go
-        to the scratch slot or page."""
+        """Write ``k_rows``/``v_rows [B, n, Hkv, D]`` at local ``slots [B, n]`` where ``mine`` (quantised with
+        the cache's scales if it is FP8 and they are not); the others go to the scratch slot or page."""
+        if self.k.dtype in FP8_DTYPES and k_rows.dtype not in FP8_DTYPES:
+            from .quant import quantize
+
+            k_rows, v_rows = (quantize(x, torch.as_tensor(sc, dtype=torch.float32, device=x.device), self.k.dtype, 2)
+                              for x, sc in ((k_rows, self.k_scale), (v_rows, self.v_scale)))
         b_idx = self._batch_idx[:, None].expand_as(slots)
         if self.block_table is None:
             slot = torch.where(mine, slots, self.capacity)
@@ -425,11 +443,13 @@ class CPKVCache:
 
     def append(self, k_new, v_new) -> None:
         """Append one token (``[B, Hkv, D]``) or ``Q`` tokens (``[B, Q, Hkv, D]``) per sequence, in the
-        cache's dtype and device, the same on every rank. Global position ``len + j`` goes to rank
+        cache's dtype (an FP8 cache also takes float16/bfloat16/float32 tokens and quantises them with its
+        scales) and device, the same on every rank. Global position ``len + j`` goes to rank
         ``(len + j) % W``; no host sync."""
         b, hkv, d = self.seq_lens.shape[0], self._heads_kv, self._head_dim
+        dtypes = (self.k.dtype,) + (FLOAT_DTYPES if self.k.dtype in FP8_DTYPES else ())
         for name, t in (("k_new", k_new), ("v_new", v_new)):
-            check_tensor(name, t, dtypes=(self.k.dtype,), device=self.k.device)
+            check_tensor(name, t, dtypes=dtypes, device=self.k.device)
             if t.dim() == 3:
                 t = t.unsqueeze(1)
             if t.dim() != 4 or t.shape[0] != b or tuple(t.shape[2:]) != (hkv, d):
@@ -470,14 +490,17 @@ class CPKVCache:
         """Attention of ``q [B, Hq, D]``, or ``q [B, Q, Hq, D]`` with the causal rule in global positions,
         over the cache, merged across the ranks (all ranks call it); ``kwargs`` as in
         :func:`cp_flash_decode`."""
-        if "block_table" in kwargs or "kv_layout" in kwargs:
-            raise TypeError("CPKVCache.decode takes no block_table or kv_layout (the cache has its own)")
+        for own in ("block_table", "kv_layout", "k_scale", "v_scale"):
+            if own in kwargs:
+                raise TypeError(f"CPKVCache.decode takes no {own} (the cache has its own)")
         check_metadata = kwargs.pop("check_metadata", True)
         row_limits = None
         if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] > 1:
             n_q = q.shape[1]
             first = self.global_seq_lens[:, None] - n_q + 1 + torch.arange(n_q, device=q.device)  # [B, Q]
             row_limits = _interleaved_counts(first.clamp(min=0), self.rank, self.world_size).to(torch.int32)
+        if self.k_scale is not None:
+            kwargs = dict(kwargs, k_scale=self.k_scale, v_scale=self.v_scale)
         return _cp_decode(q, self.k, self.v, self.seq_lens, group=self.group, check_metadata=check_metadata,
                           row_limits=row_limits, kwargs=dict(kwargs, block_table=self.block_table,
                                                              kv_layout=self.kv_layout))

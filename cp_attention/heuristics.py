@@ -110,16 +110,18 @@ def decode_config(head_dim: int, dtype: torch.dtype, t_max: int | None = None) -
 
 @functools.lru_cache(maxsize=4096)
 def decode_plan(batch: int, num_kv_heads: int, t_max: int, head_dim: int, dtype: torch.dtype,
-                num_sms: int, splits: int | None = None, config: DecodeConfig | None = None) -> DecodePlan:
+                num_sms: int, splits: int | None = None, config: DecodeConfig | None = None,
+                kv_dtype: torch.dtype | None = None) -> DecodePlan:
     """The plan of a decode over ``batch * num_kv_heads`` (sequence, KV head) pairs and a cache of
     capacity ``t_max``, on a device with ``num_sms`` SMs.
 
     ``splits`` None: the tuned policy; it runs one wave of programs (more splits only add combine work),
     takes the fullest one (FA2 settles for 85% of it, which here would leave up to 15% of the SMs idle for
-    the whole kernel). An int fixes the count (capped at the number of tiles). ``config`` None:
-    :func:`decode_config`. A split may be a single tile: at short
-    contexts the latency of fewer, longer splits costs more than the extra states (H200, B = 1, T = 2k:
-    16 splits of one tile 8.8 µs, 8 of two 9.5 µs).
+    the whole kernel). An int fixes the count (capped at the number of tiles). A split may be a single
+    tile: at short contexts the latency of fewer, longer splits costs more than the extra states (H200,
+    B = 1, T = 2k: 16 splits of one tile 8.8 µs, 8 of two 9.5 µs). ``config`` None: :func:`decode_config`
+    of the query's ``dtype``; the shared memory of its K/V stages (programs per SM) counts in
+    ``kv_dtype`` (default ``dtype``; an FP8 cache takes half).
 
     >>> decode_plan(1, 8, 131072, 128, torch.bfloat16, 132).num_splits
     16
@@ -128,7 +130,7 @@ def decode_plan(batch: int, num_kv_heads: int, t_max: int, head_dim: int, dtype:
     n_blocks = max(1, math.ceil(t_max / config.block_n))
     if splits is None:
         work = batch * num_kv_heads
-        slots = num_sms * config.programs_per_sm(head_dim, dtype)
+        slots = num_sms * config.programs_per_sm(head_dim, kv_dtype or dtype)
         splits = num_splits(work, slots, n_blocks, max_splits=max(1, slots // max(work, 1)), efficiency=1.0)
     tiles = math.ceil(n_blocks / min(splits, n_blocks))
     return DecodePlan(config, math.ceil(n_blocks / tiles), tiles)

@@ -279,6 +279,33 @@ def case_paged_shards(rank, world, *, b, hq, hkv, t, d, lens, page_size):
     return got
 
 
+def case_cache_fp8(rank, world, *, b, hq, hkv, d, prefix_t, prefix_lens, steps, page_size):
+    """An FP8 CPKVCache built from a bf16 prefix (amax scales of the prefix), bf16 tokens appended and
+    quantised with the cache's scales: equals single-rank flash_decode on the whole cache quantised with
+    the same scales."""
+    from cp_attention import quantize_kv
+    from cp_attention.quant import quantize
+
+    q, k, v, seq_lens = _cache(b, hq, hkv, prefix_t + steps, d, prefix_lens, dtype=torch.bfloat16, q_gain=3.0, seed=6)
+    _, _, ks, vs = quantize_kv(k[:, :, :prefix_t], v[:, :, :prefix_t], per_head=True)
+    cache = CPKVCache.from_prefix(k[:, :, :prefix_t], v[:, :, :prefix_t], seq_lens, prefix_t + steps,
+                                  dtype=torch.float8_e4m3fn, k_scale=ks, v_scale=vs, page_size=page_size)
+    g = torch.Generator().manual_seed(7)
+    lens = seq_lens.long().clone()
+    rows = torch.arange(b)
+    for _ in range(steps):
+        k_new = (torch.randn(b, hkv, d, generator=g) * 2).to(torch.bfloat16)  # some beyond the prefix's amax
+        v_new = torch.randn(b, hkv, d, generator=g).to(torch.bfloat16)
+        cache.append(k_new, v_new)
+        k[rows, :, lens], v[rows, :, lens] = k_new, v_new
+        lens += 1
+    got = cache.decode(q, return_lse=True)
+    k8, v8 = quantize(k, ks, torch.float8_e4m3fn, 1), quantize(v, vs, torch.float8_e4m3fn, 1)
+    single = flash_decode(q, k8, v8, lens.int(), k_scale=ks, v_scale=vs, return_lse=True)
+    _assert_state_close(got, single, TOL_SINGLE[q.dtype], "FP8 CP cache vs single-rank flash_decode")
+    return got
+
+
 def case_mismatch(rank, world, *, what):
     """Rank 1 differs in ``what``: every rank raises ValueError, and the group still works afterwards."""
     b, hq, d, dtype, sm_scale = 2, 8, 32, torch.float32, None
@@ -383,6 +410,13 @@ def test_cache_draft_steps_equal_unsharded(pool, world, case, interpret):
     states = pool(world).run(case_cache_drafts, interpret=interpret, **case)
     for st in states[1:]:
         assert torch.equal(st.o, states[0].o) and torch.equal(st.lse, states[0].lse)
+
+
+@pytest.mark.parametrize("world, page", [(2, None), (3, 8)], ids=["W2-dense", "W3-page8"])
+def test_fp8_cache_equals_unsharded(pool, world, page):
+    states = pool(world).run(case_cache_fp8, interpret=world == 3, b=2, hq=8, hkv=2, d=32, prefix_t=40,
+                             prefix_lens=[40, 13], steps=5, page_size=page)
+    assert all(torch.equal(st.o, states[0].o) for st in states)
 
 
 @pytest.mark.parametrize("world, page", [(2, 16), (3, 5)], ids=["W2-page16", "W3-page5"])

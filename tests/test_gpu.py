@@ -232,3 +232,22 @@ def test_multi_row_queries_against_float64(q_rows):
     torch.testing.assert_close(got.o.double(), ref.o, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(got.lse.double()[finite], ref.lse[finite], atol=1e-3, rtol=1e-5)
     assert torch.isneginf(got.lse[~finite]).all()
+
+
+@pytest.mark.parametrize("dtype8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=lambda d: str(d)[6:])
+def test_fp8_long_cache_against_the_dequantised_oracle(dtype8):
+    from cp_attention import quantize_kv
+
+    torch.manual_seed(3)
+    b, hq, hkv, d, t = 2, 32, 8, 128, 40_000
+    q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b, hkv, t, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(b, hkv, t, d, device="cuda", dtype=torch.bfloat16)
+    sl = torch.tensor([t, 9_999], device="cuda", dtype=torch.int32)
+    k8, v8, ks, vs = quantize_kv(k, v, dtype8, per_head=True)
+    got = flash_decode(q, k8, v8, sl, k_scale=ks, v_scale=vs, return_lse=True)
+    kd = k8.double() * ks.double().view(1, -1, 1, 1)
+    vd = v8.double() * vs.double().view(1, -1, 1, 1)
+    ref = attention(q.double(), kd, vd, sl)
+    torch.testing.assert_close(got.o.double(), ref.o, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.lse.double(), ref.lse, atol=1e-3, rtol=1e-5)

@@ -21,6 +21,10 @@ Edge cases, one rule each:
   states with ``+inf`` share the result equally and the lse stays ``+inf``);
 * a NaN lse makes that row's ``o`` and ``lse`` NaN (``tl.maximum`` skips the NaN, its weight does not).
 
+FP8 caches: K/V tiles are loaded as stored and converted to the query's dtype in registers (exact: every
+e4m3 and e5m2 value is a bf16 and an fp16 value); the kernels fold ``k_scale`` into the score scale and
+multiply the normalised ``o`` by ``v_scale`` (see :func:`kv_scales`).
+
 Rounding (level 1): the weights ``p`` are rounded to the value dtype for the ``p @ v`` product on the
 tensor cores, and ``o`` is normalised by the sum of the *rounded* weights, so it is a convex combination
 of the values (``|o| <= max |v|``: an fp16 cache of 65504s gives 65504, not inf); the lse sums the
@@ -86,6 +90,19 @@ def kv_bases(K, V, i_seq64, i_h64, stride_ks, stride_kh, stride_vs, stride_vh, I
 
 
 @triton.jit
+def kv_scales(K_SCALE, V_SCALE, k_scale, v_scale, i_h64, stride_ksh, stride_vsh, KV_SCALE: tl.constexpr):
+    """The dequantisation scales of KV head ``i_h64``: 1 (``KV_SCALE == 0``: no FP8), the scalar arguments
+    (``1``) or loads from ``K_SCALE + i_h * stride_ksh`` (``2``: 0-d or ``[Hkv]`` tensors, stride 0 for
+    0-d)."""
+    if KV_SCALE == 2:
+        return tl.load(K_SCALE + i_h64 * stride_ksh), tl.load(V_SCALE + i_h64 * stride_vsh)
+    elif KV_SCALE == 1:
+        return k_scale, v_scale
+    else:
+        return 1.0, 1.0
+
+
+@triton.jit
 def pages_of(p_bt, stride_btp, o_t, m_t, num_pages, PAGE_SIZE: tl.constexpr):
     """The pages of the keys ``o_t`` (int64), read from the block-table row ``p_bt`` where ``m_t`` and
     clamped into the pool ``[0, num_pages)``."""
@@ -147,14 +164,14 @@ def attend_tile(m_i, l_i, r_i, acc, b_q, row_lim, p_k, p_v, stride_kt, stride_vt
         o_t64 = o_t.to(tl.int64)
         o_k = o_t64 * stride_kt
         o_v = o_t64 * stride_vt
-    b_k = tl.load(p_k + o_k[:, None] + o_d[None, :], mask=m_td, other=0.0)
+    b_k = tl.load(p_k + o_k[:, None] + o_d[None, :], mask=m_td, other=0.0).to(b_q.dtype)  # FP8: dequantised
     b_s = dot(b_q, tl.trans(b_k), None, INPUT_PRECISION, UPCAST) * qk_scale
     if HAS_ROW_LIM:
         b_s = tl.where(m_t[None, :] & (o_t[None, :] < row_lim[:, None]), b_s, float("-inf"))
     else:
         b_s = tl.where(m_t[None, :], b_s, float("-inf"))
     m_i, m_ref, alpha = running_max(m_i, tl.max(b_s, 1), 1.0)
-    b_v = tl.load(p_v + o_v[:, None] + o_d[None, :], mask=m_td, other=0.0)
+    b_v = tl.load(p_v + o_v[:, None] + o_d[None, :], mask=m_td, other=0.0).to(b_q.dtype)
     p = tl.exp2(b_s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     p = p.to(b_v.dtype)

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from ._dot import dot_flags
-from ._state import LOG2E, attend_tiles, kv_bases, merge_tile, split_range
+from ._state import LOG2E, attend_tiles, kv_bases, kv_scales, merge_tile, split_range
 from .._dispatch import next_pow2
 
 
@@ -50,19 +50,19 @@ def row_heads(o_r, i_h64, GROUP_SIZE: tl.constexpr, Q_ROWS: tl.constexpr):
 
 @triton.jit
 def _split_kv_kernel(
-    Q, K, V, SEQ_LENS, BLOCK_TABLE, ROW_LIMITS, O, LSE, WORK, COUNTER,
-    sm_scale, T_MAX, TILES_PER_SPLIT, NUM_SPLITS, HKV, NUM_PAGES,
+    Q, K, V, SEQ_LENS, BLOCK_TABLE, ROW_LIMITS, K_SCALE, V_SCALE, O, LSE, WORK, COUNTER,
+    sm_scale, k_scale, v_scale, T_MAX, TILES_PER_SPLIT, NUM_SPLITS, HKV, NUM_PAGES,
     stride_qb, stride_qq, stride_qh,
     stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt,
     stride_ob, stride_oq, stride_oh,
     stride_lb, stride_lq, stride_lh,
-    stride_sl, stride_btb, stride_btp, stride_rlb, stride_rlq,
+    stride_sl, stride_btb, stride_btp, stride_rlb, stride_rlq, stride_ksh, stride_vsh,
     GROUP_SIZE: tl.constexpr, Q_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
     HAS_SEQ_LENS: tl.constexpr, IS_PAGED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_ROW_LIMITS: tl.constexpr,
-    IS_SPLIT: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    KV_SCALE: tl.constexpr, IS_SPLIT: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     ROWS: tl.constexpr = Q_ROWS * GROUP_SIZE  # query rows per KV head
     N_RT: tl.constexpr = (ROWS + BLOCK_H - 1) // BLOCK_H  # row tiles
@@ -96,11 +96,16 @@ def _split_kv_kernel(
     else:
         row_lim = seq_len
     qk_scale = sm_scale * LOG2E
+    if KV_SCALE != 0:  # FP8 cache: k_scale folds into the score scale, v_scale into o
+        ks, vs = kv_scales(K_SCALE, V_SCALE, k_scale, v_scale, i_h64, stride_ksh, stride_vsh, KV_SCALE)
+        qk_scale = qk_scale * ks
     p_k, p_v = kv_bases(K, V, i_b64, i_h64, stride_kb, stride_kh, stride_vb, stride_vh, IS_PAGED)
     b_o, b_lse = attend_tiles(b_q, row_lim, p_k, p_v, stride_kt, stride_vt, BLOCK_TABLE + i_b64 * stride_btb,
                               stride_btp, stride_kb, stride_vb, NUM_PAGES, t_start, t_end, qk_scale, o_d, m_d,
                               BLOCK_H, BLOCK_N, BLOCK_D, PAGE_SIZE, IS_PAGED, IS_CAUSAL or HAS_ROW_LIMITS,
                               INPUT_PRECISION, UPCAST)
+    if KV_SCALE != 0:
+        b_o = b_o * vs
 
     if IS_SPLIT:
         # Workspace: o [P, S, ROWS_T, HEAD_DIM], then lse [P, S, ROWS_T].
@@ -166,17 +171,18 @@ def combine_block_s(num_splits: int, block_g: int, block_d: int) -> int:
 
 
 def split_kv_launch_config(dtype, group: int, q_rows: int, head_dim: int, plan, *, has_seq_lens: bool,
-                           page_size: int, causal: bool, row_limits: bool):
+                           page_size: int, causal: bool, row_limits: bool, kv_scale: int = 0):
     """``(constexprs, launch options, row tiling)`` of the split-KV kernel for a
     :class:`~cp_attention.heuristics.DecodePlan`; ``page_size`` 0 for a dense cache.
 
     The kernel's arguments, in order: ``q [B, Q, Hq, D]`` (unit stride in D); ``k``, ``v`` (a dense cache
     read as ``[B, Hkv, T, D]``, or page pools read as ``[pages, Hkv, page_size, D]``, through their
-    strides, unit stride in D); ``seq_lens [B]``, ``block_table [B, max_pages]``, ``row_limits [B, Q]``
-    (any strides; any tensor when unused); ``o [B, Q, Hq, D]`` (any float dtype, unit stride in D) and
-    ``lse [B, Q, Hq]`` float32 natural log, any strides; the fp32 workspace (:func:`workspace_floats`
-    elements) and ``B * Hkv * n_rt`` zeroed int32 tickets (left zeroed); ``sm_scale``; then ``T_max``,
-    the plan's tiles per split and splits, ``Hkv``, the pool's pages and the strides.
+    strides, unit stride in D; FP8 with ``kv_scale`` 1 (scalar scales) or 2 (scale tensors)); ``seq_lens
+    [B]``, ``block_table [B, max_pages]``, ``row_limits [B, Q]``, the K and V scale tensors (any strides;
+    any tensor when unused); ``o [B, Q, Hq, D]`` (any float dtype, unit stride in D) and ``lse [B, Q, Hq]``
+    float32 natural log, any strides; the fp32 workspace (:func:`workspace_floats` elements) and ``B *
+    Hkv * n_rt`` zeroed int32 tickets (left zeroed); ``sm_scale``, ``k_scale``, ``v_scale``; then
+    ``T_max``, the plan's tiles per split and splits, ``Hkv``, the pool's pages and the strides.
     """
     tiling = row_tiling(q_rows, group)
     block_d = next_pow2(head_dim)
@@ -184,29 +190,33 @@ def split_kv_launch_config(dtype, group: int, q_rows: int, head_dim: int, plan, 
                       BLOCK_H=tiling.block_h, BLOCK_N=plan.config.block_n, BLOCK_D=block_d, BLOCK_G=tiling.block_g,
                       BLOCK_S=combine_block_s(plan.num_splits, tiling.block_g, block_d),
                       HAS_SEQ_LENS=has_seq_lens, IS_PAGED=page_size > 0, IS_CAUSAL=causal, HAS_ROW_LIMITS=row_limits,
-                      IS_SPLIT=plan.num_splits > 1, **dot_flags(dtype))
+                      KV_SCALE=kv_scale, IS_SPLIT=plan.num_splits > 1, **dot_flags(dtype))
     return constexprs, dict(num_warps=plan.config.num_warps, num_stages=plan.config.num_stages), tiling
 
 
-def _aot_spec(group, q_rows, split, page_size=0, causal=False, row_limits=False, block_n=128):
+def _aot_spec(group, q_rows, split, page_size=0, causal=False, row_limits=False, block_n=128, kv="bf16",
+              kv_scale=0):
     tiling = row_tiling(q_rows, group)
     return {
         "kernel": _split_kv_kernel,
-        "signature": {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "SEQ_LENS": "*i32", "BLOCK_TABLE": "*i32",
-                      "ROW_LIMITS": "*i32", "O": "*bf16", "LSE": "*fp32", "WORK": "*fp32", "COUNTER": "*i32",
-                      "sm_scale": "fp32"},
+        "signature": {"Q": "*bf16", "K": f"*{kv}", "V": f"*{kv}", "SEQ_LENS": "*i32", "BLOCK_TABLE": "*i32",
+                      "ROW_LIMITS": "*i32", "K_SCALE": "*fp32", "V_SCALE": "*fp32", "O": "*bf16", "LSE": "*fp32",
+                      "WORK": "*fp32", "COUNTER": "*i32", "sm_scale": "fp32", "k_scale": "fp32",
+                      "v_scale": "fp32"},
         "constexprs": dict(GROUP_SIZE=group, Q_ROWS=q_rows, HEAD_DIM=128, PAGE_SIZE=max(page_size, 1),
                            BLOCK_H=tiling.block_h, BLOCK_N=block_n, BLOCK_D=128, BLOCK_G=tiling.block_g,
                            BLOCK_S=combine_block_s(16, tiling.block_g, 128), HAS_SEQ_LENS=True,
-                           IS_PAGED=page_size > 0, IS_CAUSAL=causal, HAS_ROW_LIMITS=row_limits, IS_SPLIT=split,
-                           INPUT_PRECISION="tf32", UPCAST=False),
+                           IS_PAGED=page_size > 0, IS_CAUSAL=causal, HAS_ROW_LIMITS=row_limits,
+                           KV_SCALE=kv_scale, IS_SPLIT=split, INPUT_PRECISION="tf32", UPCAST=False),
         "options": {"num_warps": 4, "num_stages": 3},
     }
 
 
 # Realistic sm_90 compiles of this file's kernel, checked on the CPU by tests/test_aot.py: dense single-row
-# (GQA 4 split, GQA 5, GQA 8 split), paged (page 16 and page 64), 4 causal rows, and 16 rows x GQA 8 with
-# row limits (two row tiles).
+# (GQA 4 split, GQA 5, GQA 8 split), paged (page 16 and page 64), 4 causal rows, 16 rows x GQA 8 with
+# row limits (two row tiles), and FP8 caches (e4m3 with scalar scales; e5m2 paged with per-head scales).
 AOT_SPECS = [_aot_spec(4, 1, True), _aot_spec(5, 1, False), _aot_spec(8, 1, True),
              _aot_spec(4, 1, True, page_size=16), _aot_spec(4, 1, False, page_size=64),
-             _aot_spec(4, 4, True, causal=True), _aot_spec(8, 16, True, page_size=16, row_limits=True)]
+             _aot_spec(4, 4, True, causal=True), _aot_spec(8, 16, True, page_size=16, row_limits=True),
+             _aot_spec(4, 1, True, kv="fp8e4nv", kv_scale=1),
+             _aot_spec(4, 4, False, page_size=64, causal=True, kv="fp8e5", kv_scale=2)]

@@ -1,0 +1,175 @@
+"""FP8 KV caches: quantize_kv's bounds, and flash_decode / cascade_decode on e4m3 and e5m2 caches against the
+float64 oracle on the dequantised values (kernels under the interpreter on the CPU)."""
+import pytest
+import torch
+
+from cp_attention import AttentionState, CascadeLevel, cascade_decode, flash_decode, quantize_kv
+from cp_attention.reference import attention
+
+from .conftest import DEVICE, assert_state_matches
+from .test_paged import dense_cache, page_pool
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+MANTISSA = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
+MIN_SUBNORMAL_EXP = {torch.float8_e4m3fn: -9, torch.float8_e5m2: -16}
+
+
+def dequantized(x8, scale, head_dim):
+    if scale.dim() == 1:
+        shape = [1] * x8.dim()
+        shape[head_dim] = scale.shape[0]
+        scale = scale.view(shape)
+    return x8.double() * scale.double()
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("per_head", [False, True], ids=["per-tensor", "per-head"])
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_quantize_kv_round_trip_bound(dtype, per_head, layout):
+    """Every element comes back within half a unit in the last place of the format: |x| * 2^-(m+1) for
+    normal numbers, scale * 2^(min_exp - 1) in the subnormal range; the largest magnitude maps to the
+    format's max; no inf or NaN out of finite input."""
+    g = torch.Generator().manual_seed(1)
+    shape = (3, 4, 50, 32) if layout == "HND" else (3, 50, 4, 32)
+    head_dim = 1 if layout == "HND" else 2
+    k = torch.randn(shape, generator=g) * torch.logspace(-3, 1, shape[head_dim]).view(
+        [-1 if i == head_dim else 1 for i in range(4)])  # heads 10^4 apart in magnitude
+    v = torch.randn(shape, generator=g)
+    k8, v8, ks, vs = quantize_kv(k, v, dtype, per_head=per_head, kv_layout=layout)
+    assert k8.dtype == dtype and k8.shape == k.shape
+    assert ks.dtype == torch.float32 and ks.shape == ((shape[head_dim],) if per_head else ())
+    for x, x8, sc in ((k, k8, ks), (v, v8, vs)):
+        assert torch.isfinite(x8.float()).all()
+        back = dequantized(x8, sc, head_dim)
+        bound = torch.maximum(x.double().abs() * 2.0 ** -(MANTISSA[dtype] + 1),
+                              dequantized(torch.ones_like(x8, dtype=torch.float32), sc, head_dim)
+                              * 2.0 ** (MIN_SUBNORMAL_EXP[dtype] - 1))
+        assert ((back - x.double()).abs() <= bound * (1 + 1e-6)).all()
+        fmax = torch.finfo(dtype).max
+        top = x8.float().abs().amax(dim=[d for d in range(4) if d != head_dim]) if per_head else x8.float().abs().max()
+        torch.testing.assert_close(top, torch.full_like(top, fmax))
+
+
+def test_quantize_kv_ignores_garbage_and_zeros():
+    k = torch.randn(2, 2, 10, 32)
+    k[0, :, 7:] = float("nan")  # unused slots of a torch.empty cache
+    k[1] = 0.0
+    k8, _, ks, _ = quantize_kv(k, k, per_head=False)
+    assert torch.isfinite(ks) and ks > 0
+    assert torch.isfinite(k8[0, :, :7].float()).all()
+    k8, _, ks, _ = quantize_kv(torch.zeros(1, 2, 4, 32), torch.zeros(1, 2, 4, 32), per_head=True)
+    assert (ks == 1).all() and (k8.float() == 0).all()
+
+
+FP8_CASES = [
+    # (fp8 dtype, per-head, layout or "paged", Q rows, float scales)
+    (torch.float8_e4m3fn, False, "HND", 1, False),
+    (torch.float8_e4m3fn, True, "NHD", 1, True),
+    (torch.float8_e5m2, True, "HND", 3, False),
+    (torch.float8_e4m3fn, True, "paged", 4, False),
+    (torch.float8_e5m2, False, "paged", 1, True),
+]
+
+
+@pytest.mark.parametrize("dtype8,per_head,layout,q_rows,float_scales", FP8_CASES,
+                         ids=[f"{str(c[0])[6:]}-{'head' if c[1] else 'tensor'}-{c[2]}-Q{c[3]}"
+                              f"{'-float' if c[4] else ''}" for c in FP8_CASES])
+def test_fp8_decode_against_the_dequantised_oracle(dtype8, per_head, layout, q_rows, float_scales):
+    q, k, v, sl = dense_cache(3, 8, 2, 150, 64, [150, 41, 0], q_rows=q_rows, dtype=torch.bfloat16, seed=3)
+    k8, v8, ks, vs = quantize_kv(k, v, dtype8, per_head=per_head)
+    if float_scales:
+        ks, vs = float(ks.max()), float(vs.max())
+        k8, v8 = ((x.float() / sc).clamp(-448, 448).to(dtype8) for x, sc in ((k, ks), (v, vs)))
+    kd = dequantized(k8, torch.as_tensor(ks), 1)
+    vd = dequantized(v8, torch.as_tensor(vs), 1)
+    ref = attention(q.double(), kd, vd, sl)
+    for splits in (1, 3):
+        if layout == "paged":
+            kp, vp, table = page_pool(k8, v8, sl, 16, "NHD", seed=4)
+            got = flash_decode(q, kp, vp, sl, block_table=table, kv_layout="NHD", k_scale=ks, v_scale=vs,
+                               num_splits=splits, return_lse=True)
+        elif layout == "NHD":
+            got = flash_decode(q, k8.transpose(1, 2), v8.transpose(1, 2), sl, kv_layout="NHD", k_scale=ks,
+                               v_scale=vs, num_splits=splits, return_lse=True)
+        else:
+            got = flash_decode(q, k8, v8, sl, k_scale=ks, v_scale=vs, num_splits=splits, return_lse=True)
+        assert got.o.dtype == torch.bfloat16
+        assert_state_matches(got, ref, q.dtype)
+
+
+def test_fp8_torch_path(monkeypatch):
+    q, k, v, sl = dense_cache(2, 8, 2, 60, 32, [60, 9], q_rows=None, dtype=torch.bfloat16, seed=6)
+    k8, v8, ks, vs = quantize_kv(k, v, per_head=True)
+    ref = attention(q.double(), dequantized(k8, ks, 1), dequantized(v8, vs, 1), sl)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    got = flash_decode(q.cpu(), k8.cpu(), v8.cpu(), sl.cpu(), k_scale=ks.cpu(), v_scale=vs.cpu(), return_lse=True)
+    assert_state_matches(got, AttentionState(ref.o.cpu(), ref.lse.cpu()), q.dtype)
+
+
+def test_fp8_against_the_bf16_cache_on_realistic_data():
+    """Keys with outlier channels (log-normal channel scales, as in LLM keys), normal values: the FP8
+    result stays close to the bf16-cache result (the quantisation error, not only the kernel's)."""
+    g = torch.Generator().manual_seed(7)
+    b, hq, hkv, t, d = 2, 8, 2, 400, 64
+    q = torch.randn(b, hq, d, generator=g).bfloat16().to(DEVICE)
+    channel = torch.exp(torch.randn(d, generator=g) * 0.8)
+    k = (torch.randn(b, hkv, t, d, generator=g) * channel).bfloat16().to(DEVICE)
+    v = torch.randn(b, hkv, t, d, generator=g).bfloat16().to(DEVICE)
+    ref = flash_decode(q, k, v).double()
+    for dtype8, rel_bound in ((torch.float8_e4m3fn, 0.1), (torch.float8_e5m2, 0.2)):
+        k8, v8, ks, vs = quantize_kv(k, v, dtype8, per_head=True)
+        got = flash_decode(q, k8, v8, k_scale=ks, v_scale=vs).double()
+        rel = ((got - ref).norm() / ref.norm()).item()
+        assert rel < rel_bound, (dtype8, rel)
+
+
+def test_fp8_cascade_levels():
+    """An FP8 shared prefix (paged) and FP8 per-request suffixes with one set of scales, against the
+    oracle on the dequantised concatenation."""
+    g = torch.Generator().manual_seed(8)
+    b, hq, hkv, d = 3, 8, 2, 32
+    q = torch.randn(b, hq, d, generator=g).bfloat16().to(DEVICE)
+    _, pk, pv, p_lens = dense_cache(1, hq, hkv, 70, d, [66], dtype=torch.bfloat16, seed=9)
+    _, sk, sv, s_lens = dense_cache(b, hq, hkv, 20, d, [20, 0, 5], dtype=torch.bfloat16, seed=10)
+    both_k = torch.cat([pk.flatten(), sk.flatten()])
+    scale = float(both_k[torch.isfinite(both_k)].abs().max()) / 448
+    q8 = [(x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn) for x in (pk, pv, sk, sv)]
+    pkp, pvp, table = page_pool(q8[0], q8[1], p_lens, 16, "NHD", seed=11)
+    levels = [CascadeLevel(pkp, pvp, p_lens, None, table), CascadeLevel(q8[2], q8[3], s_lens)]
+    got = cascade_decode(q, levels, k_scale=scale, v_scale=scale, return_lse=True, _num_splits=2)
+    n = int(p_lens[0])
+    for i in range(b):
+        m = int(s_lens[i])
+        kk = torch.cat([q8[0][0, :, :n], q8[2][i, :, :m]], dim=1).double()[None] * scale
+        vv = torch.cat([q8[1][0, :, :n], q8[3][i, :, :m]], dim=1).double()[None] * scale
+        ref = attention(q[i:i + 1].double(), kk, vv)
+        assert_state_matches(AttentionState(got.o[i:i + 1], got.lse[i:i + 1]), ref, q.dtype)
+
+
+def _bad():
+    q, k, v, sl = dense_cache(2, 8, 2, 40, 32, [40, 3], q_rows=None, dtype=torch.bfloat16)
+    k8, v8, ks, vs = quantize_kv(k, v, per_head=True)
+    return [
+        ("no-k-scale", lambda: flash_decode(q, k8, v8, sl, v_scale=vs), ValueError, "k_scale"),
+        ("no-scales", lambda: flash_decode(q, k8, v8, sl), ValueError, "k_scale"),
+        ("scale-shape", lambda: flash_decode(q, k8, v8, sl, k_scale=torch.ones(3), v_scale=vs), ValueError, "k_scale"),
+        ("scale-dtype", lambda: flash_decode(q, k8, v8, sl, k_scale=ks.double(), v_scale=vs), TypeError, "k_scale"),
+        ("scale-negative", lambda: flash_decode(q, k8, v8, sl, k_scale=-1.0, v_scale=1.0), ValueError, "k_scale"),
+        ("scales-mixed", lambda: flash_decode(q, k8, v8, sl, k_scale=1.0, v_scale=vs), TypeError, "k_scale"),
+        ("fp8-q", lambda: flash_decode(q.to(torch.float8_e4m3fn), k8, v8, sl, k_scale=ks, v_scale=vs), TypeError, "q"),
+        ("fp32-q", lambda: flash_decode(q.float(), k8, v8, sl, k_scale=ks, v_scale=vs), TypeError, "q"),
+        ("scale-for-bf16", lambda: flash_decode(q, k, v, sl, k_scale=1.0, v_scale=1.0), ValueError, "k_scale"),
+        ("kv-dtypes-differ", lambda: flash_decode(q, k8, v8.to(torch.float8_e5m2), sl, k_scale=ks, v_scale=vs),
+         TypeError, "v"),
+        ("quantize-dtype", lambda: quantize_kv(k, v, torch.bfloat16), TypeError, "dtype"),
+        ("quantize-per-head", lambda: quantize_kv(k, v, per_head=1), TypeError, "per_head"),
+    ]
+
+
+BAD = _bad()
+
+
+@pytest.mark.parametrize("fn,exc,name", [c[1:] for c in BAD], ids=[c[0] for c in BAD])
+def test_bad_input(fn, exc, name):
+    with pytest.raises(exc, match=rf"^{name}\b"):
+        fn()
