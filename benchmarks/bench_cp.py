@@ -4,6 +4,7 @@
     torchrun --standalone --nproc-per-node=2 benchmarks/bench_cp.py --batches 1 --contexts 131072 1048576 --tree
     torchrun --standalone --nproc-per-node=4 benchmarks/bench_cp.py --name bench_cp_w4
     torchrun --standalone --nproc-per-node=2 benchmarks/bench_cp.py --device cpu --contexts 1024 4096   # smoke test
+    torchrun --standalone --nproc-per-node=2 benchmarks/bench_cp.py --batches 1 --contexts 32768 --cascade 128:32768:256
 
 bf16, Hq=32, Hkv=8, D=128 (options change them); B in --batches, T in --contexts. Per shape, median µs:
 ``single``: flash_decode over the whole cache of T tokens on rank 0 alone (skipped when the cache would not
@@ -40,8 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._harness import (  # noqa: E402
     DTYPES, GRAPH_CALLS, RESULTS, bench_call, capture, max_abs_diff, table, tqdm, write_json,
 )
-from cp_attention import AttentionState, flash_decode  # noqa: E402
-from cp_attention.distributed import cp_flash_decode, merge_across_ranks  # noqa: E402
+from cp_attention import AttentionState, CascadeLevel, cascade_decode, flash_decode  # noqa: E402
+from cp_attention.distributed import cp_cascade_decode, cp_flash_decode, merge_across_ranks, shard_kv  # noqa: E402
 
 PARTS = ("local", "merge", "cp")
 
@@ -62,6 +63,9 @@ def parse_args(argv=None):
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--name", default="bench_cp", help="results file stem under benchmarks/results/")
     p.add_argument("--timeout-s", type=int, default=1800, help="process-group timeout")
+    p.add_argument("--cascade", nargs="*", metavar="B:PREFIX:OWN", default=[],
+                   help="also time cp_cascade_decode against one-GPU cascade_decode: B requests sharing a PREFIX "
+                        "of tokens with OWN tokens each (e.g. 128:32768:256); both levels sharded contiguously")
     args = p.parse_args(argv)
     for name in ("batches", "contexts"):
         if min(getattr(args, name)) < 1:
@@ -205,6 +209,36 @@ def measure(args, batch, context, timer, device):
     return row
 
 
+def measure_cascade(args, spec, timer, device):
+    """cascade_decode of the whole levels on rank 0 against cp_cascade_decode of every rank's contiguous
+    shard of the shared prefix and of each request's own tokens."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batch, prefix, own = map(int, spec.split(":"))
+    dtype, hq, hkv, d = DTYPES[args.dtype], args.heads_q, args.heads_kv, args.head_dim
+    graph_calls = args.graph_calls if device.type == "cuda" and not args.no_graph else 0
+    row = {"batch": batch, "context": f"{prefix}+{own}", "world": world}
+    gen = torch.Generator(device).manual_seed(0)
+    q = torch.randn(batch, hq, d, generator=gen, device=device, dtype=dtype)
+    pk, pv = (torch.empty(1, hkv, prefix, d, device=device, dtype=dtype).normal_(generator=gen) for _ in range(2))
+    ok, ov = (torch.empty(batch, hkv, own, d, device=device, dtype=dtype).normal_(generator=gen) for _ in range(2))
+    if rank == 0:
+        whole = [CascadeLevel(pk, pv), CascadeLevel(ok, ov)]
+        timings(row, "single", lambda: cascade_decode(q, whole), timer, False, graph_calls)
+    dist.barrier()
+    pks, pvs, p_lens = shard_kv(pk, pv, None, rank, world)
+    oks, ovs, o_lens = shard_kv(ok, ov, None, rank, world)
+    shards = [CascadeLevel(pks, pvs, p_lens), CascadeLevel(oks, ovs, o_lens)]
+    assert torch.isfinite(cp_cascade_decode(q, shards)).all(), "non-finite CP cascade output"
+    timings(row, "cp", lambda: cp_cascade_decode(q, shards, check_metadata=False), timer, True, graph_calls)
+    for mode in ("call", "graph"):
+        if f"single_{mode}_us" in row and f"cp_{mode}_us" in row:
+            row[f"speedup_{mode}"] = row[f"single_{mode}_us"] / row[f"cp_{mode}_us"]
+    del pk, pv, ok, ov, pks, pvs, oks, ovs
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
 def plot(rows, args, world, path):
     import matplotlib
 
@@ -254,6 +288,7 @@ def main(argv=None):
     try:
         for b, t in tqdm(shapes, desc=f"bench_cp W={world}", disable=rank != 0):
             rows.append(measure(args, b, t, timer, device))
+        cascade_rows = [measure_cascade(args, spec, timer, device) for spec in args.cascade]
         if rank == 0:
             cols = ["batch", "context", "single_gb"] + [f"{p}_{m}_us" for p in ("single",) + PARTS
                                                         for m in ("call", "graph")]
@@ -265,11 +300,15 @@ def main(argv=None):
                 for what in ("single", "cp"):
                     if f"{what}_skipped" in r:
                         print(f"B={r['batch']} T={r['context']}: {what} skipped: {r[f'{what}_skipped']}")
-            path = write_json(args.name, {"config": vars(args), "world_size": world, "rows": rows})
+            path = write_json(args.name, {"config": vars(args), "world_size": world, "rows": rows,
+                                          "cascade_rows": cascade_rows})
             png = RESULTS / f"{args.name}.png"
             plot(rows, args, world, png)
             print(f"wrote {path} and {png}")
             print(table(rows, cols))
+            if cascade_rows:
+                print(table(cascade_rows, ["batch", "context", "single_call_us", "single_graph_us", "cp_call_us",
+                                           "cp_graph_us", "speedup_call", "speedup_graph"]))
     finally:
         dist.destroy_process_group()
 

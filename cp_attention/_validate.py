@@ -128,3 +128,19 @@ def check_kv_scales(k_scale, v_scale, kv_dtype, q_dtype, hkv: int, device) -> in
     if len(kinds) > 1:
         raise TypeError("k_scale and v_scale must both be floats or both be tensors")
     return kinds.pop()
+
+
+def check_variants(window_left, logit_softcap, sinks, hq: int, device) -> None:
+    """A sliding window (int >= 0), a logit softcap (finite float > 0) and attention sinks (``[Hq]`` float32
+    on ``device``), each optional."""
+    if window_left is not None:
+        check_int("window_left", window_left, 0)
+    if logit_softcap is not None:
+        if not isinstance(logit_softcap, numbers.Real) or isinstance(logit_softcap, bool):
+            raise TypeError(f"logit_softcap must be a float > 0 or None, got {logit_softcap!r}")
+        if not (math.isfinite(logit_softcap) and logit_softcap > 0):
+            raise ValueError(f"logit_softcap must be a finite float > 0, got {logit_softcap!r}")
+    if sinks is not None:
+        check_tensor("sinks", sinks, dtypes=(torch.float32,), ndim=1, device=device)
+        if sinks.shape[0] != hq:
+            raise ValueError(f"sinks must have shape [{hq}] (one logit per query head), got {tuple(sinks.shape)}")

@@ -35,7 +35,7 @@ from . import _dispatch
 from ._constants import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES
 from ._dispatch import use_triton
 from ._validate import (check_bool, check_head_dim, check_index_tensor, check_kv_scales, check_sm_scale,
-                        check_tensor, check_unit_stride, resolve_sm_scale)
+                        check_tensor, check_unit_stride, check_variants, resolve_sm_scale)
 from .decode import MAX_Q_ROWS, _dequantize, flash_decode
 from .heuristics import num_sms, prefix_plan
 from .state import AttentionState, merge_states
@@ -75,7 +75,7 @@ class _Level(NamedTuple):
     t_max: int
 
 
-def _validate(q, levels, sm_scale, return_lse, k_scale, v_scale):
+def _validate(q, levels, sm_scale, return_lse, k_scale, v_scale, logit_softcap, sinks):
     check_tensor("q", q, dtypes=FLOAT_DTYPES)
     if q.dim() not in (3, 4):
         raise ValueError(f"q must have 3 dims [B, Hq, D] or 4 dims [B, Q, Hq, D], got shape {tuple(q.shape)}")
@@ -152,13 +152,14 @@ def _validate(q, levels, sm_scale, return_lse, k_scale, v_scale):
         out.append(_Level(lvl, kind, n_seg, t_max))
     check_sm_scale(sm_scale)
     check_bool("return_lse", return_lse)
+    check_variants(None, logit_softcap, sinks, hq, q.device)
     fp8 = [lv.lvl.k.dtype for lv in out if lv.lvl.k.dtype in FP8_DTYPES]
     kv_scale = check_kv_scales(k_scale, v_scale, fp8[0] if fp8 else q.dtype, q.dtype, hkv0, q.device)
     return out, kv_scale
 
 
-def cascade_decode(q, levels, *, sm_scale=None, k_scale=None, v_scale=None, return_lse=False, _num_splits=None,
-                   _config=None):
+def cascade_decode(q, levels, *, sm_scale=None, k_scale=None, v_scale=None, logit_softcap=None, sinks=None,
+                   return_lse=False, _num_splits=None, _config=None, _out=None):
     """Exact decode attention over a cache stored in levels of shared and per-request segments.
 
     Equals :func:`cp_attention.flash_decode` over, per request, the concatenation of its segments of
@@ -178,6 +179,8 @@ def cascade_decode(q, levels, *, sm_scale=None, k_scale=None, v_scale=None, retu
         k_scale, v_scale: the dequantisation scales of the FP8 levels (levels may be stored in
             ``float8_e4m3fn``/``float8_e5m2`` with ``q`` float16/bfloat16), as in
             :func:`cp_attention.flash_decode`; required when a level is FP8, refused otherwise.
+        logit_softcap: scores ``c * tanh(sm_scale * q.k / c)`` on every level, as in :func:`flash_decode`.
+        sinks: ``[Hq]`` float32 attention sinks, joined once into the merge of the levels.
         return_lse: also return the natural-log LSE.
 
     Returns:
@@ -192,27 +195,31 @@ def cascade_decode(q, levels, *, sm_scale=None, k_scale=None, v_scale=None, retu
     >>> cascade_decode(q, [prefix, suffix], return_lse=True).lse.shape
     torch.Size([3, 8])
     """
-    checked, kv_scale = _validate(q, levels, sm_scale, return_lse, k_scale, v_scale)
+    checked, kv_scale = _validate(q, levels, sm_scale, return_lse, k_scale, v_scale, logit_softcap, sinks)
     scale = resolve_sm_scale(sm_scale, q.shape[-1])
     scales = (k_scale, v_scale, kv_scale)
     last = checked[-1]
     # Levels without positions add nothing to any request.
     work = [lv for lv in checked if lv.t_max > 0]
-    if not use_triton(q):
-        st = _cascade_torch(q, work, last, scale, scales)
-    elif q.numel() == 0 or not work:
-        st = AttentionState.empty(tuple(q.shape[:-1]), q.shape[-1], dtype=q.dtype, device=q.device)
-    else:
-        st = _cascade_triton(q, work, last, scale, scales, _num_splits, _config)
+    if use_triton(q) and q.numel() > 0 and work:
+        st = _cascade_triton(q, work, last, scale, scales, logit_softcap, sinks, _num_splits, _config, _out)
+    else:  # the torch path (fp32), or nothing to read
+        st = _cascade_torch(q, work, last, scale, scales, logit_softcap, sinks)
+        if _out is not None:
+            st = AttentionState(_out[0].copy_(st.o.reshape(_out[0].shape)), _out[1].copy_(st.lse.reshape(-1)))
+        else:
+            st = AttentionState(st.o.to(q.dtype), st.lse)
     return st if return_lse else st.o
 
 
 def _all_visible(q, t_max):
-    """Row limits that let every query row see every position (a level that is not the last)."""
-    return torch.full((q.shape[0], q.shape[1]), t_max, dtype=torch.int32, device=q.device)
+    """Row limits ``[B, Q, 2]`` that let every query row see every position (a level that is not the last)."""
+    limits = torch.zeros((q.shape[0], q.shape[1], 2), dtype=torch.int32, device=q.device)
+    limits[..., 1] = t_max
+    return limits
 
 
-def _cascade_triton(q, work, last, scale, scales, fixed_splits, config) -> AttentionState:
+def _cascade_triton(q, work, last, scale, scales, softcap, sinks, fixed_splits, config, out) -> AttentionState:
     from .ops.merge import merge_states_into
     from .ops.prefix import prefix_attention
 
@@ -244,7 +251,7 @@ def _cascade_triton(q, work, last, scale, scales, fixed_splits, config) -> Atten
         if plan is None:  # the level's fp32 state goes straight into its slot, unrounded
             limits = _all_visible(q, lv.t_max) if q_rows > 1 and not causal else None
             flash_decode(q, lvl.k, lvl.v, lvl.seq_lens, block_table=lvl.block_table, kv_layout=layout,
-                         sm_scale=scale, k_scale=k_scale, v_scale=v_scale, _row_limits=limits,
+                         sm_scale=scale, k_scale=k_scale, v_scale=v_scale, logit_softcap=softcap, _row_limits=limits,
                          out=AttentionState(o_all[slot].view(q.shape), lse_all[slot].view(q.shape[:-1])))
             slot += 1
             continue
@@ -254,12 +261,16 @@ def _cascade_triton(q, work, last, scale, scales, fixed_splits, config) -> Atten
         end = slot + plan.num_splits
         prefix_attention(q, lvl.k, lvl.v, lvl.seq_lens, lvl.block_table, perm, tiles, o_all[slot:end],
                          lse_all[slot:end], sm_scale=scale, plan=plan, kv_layout=layout, causal=causal,
-                         k_scale=k_scale, v_scale=v_scale, kv_scale=kv_scale)
+                         k_scale=k_scale, v_scale=v_scale, kv_scale=kv_scale, logit_softcap=softcap)
         slot = end
-    o = _dispatch.new_buffer(tuple(q.shape), q.dtype, q.device)
-    lse = _dispatch.new_buffer(tuple(q.shape[:-1]), torch.float32, q.device)
-    merge_states_into(o_all, lse_all, o.view(rows, d), lse.view(rows))
-    return AttentionState(o, lse)
+    if out is None:
+        o = _dispatch.new_buffer(tuple(q.shape), q.dtype, q.device)
+        lse = _dispatch.new_buffer(tuple(q.shape[:-1]), torch.float32, q.device)
+        merge_states_into(o_all, lse_all, o.view(rows, d), lse.view(rows), sinks=sinks)
+        return AttentionState(o, lse)
+    # An fp32 state of [rows, D] and [rows] views (the context-parallel exchange buffer).
+    merge_states_into(o_all, lse_all, out[0], out[1], sinks=sinks)
+    return AttentionState(*out)
 
 
 def _tile_table(segment_ids, n_seg, group, block_m, n_tiles):
@@ -287,9 +298,9 @@ def _tile_table(segment_ids, n_seg, group, block_m, n_tiles):
     return perm, torch.stack([t_seg, row0, n_rows], dim=1).to(torch.int32)
 
 
-def _cascade_torch(q, work, last, scale, scales) -> AttentionState:
+def _cascade_torch(q, work, last, scale, scales, softcap, sinks) -> AttentionState:
     """The float32 torch path: each level gathered per request, attended by the reference (the causal rule
-    on the last level only), merged by ⊕."""
+    on the last level only), merged by ⊕; returns an fp32 state."""
     from .reference import attention, paged_to_dense
 
     b = q.shape[0]
@@ -310,8 +321,9 @@ def _cascade_torch(q, work, last, scale, scales) -> AttentionState:
             k, v = (paged_to_dense(t, lvl.block_table, "NHD").transpose(1, 2) for t in (k, v))
         seq = lvl.seq_lens[idx] if lvl.seq_lens is not None else None
         limits = _all_visible(q, lv.t_max) if q_rows > 1 and lv is not last else None
-        states.append(attention(q, k[idx], v[idx], seq, sm_scale=scale, row_limits=limits))
+        states.append(attention(q, k[idx], v[idx], seq, sm_scale=scale, row_limits=limits, logit_softcap=softcap))
     if not states:
-        return AttentionState.empty(tuple(q.shape[:-1]), q.shape[-1], dtype=q.dtype, device=q.device)
-    st = merge_states(torch.stack([s.o for s in states]), torch.stack([s.lse for s in states]))
-    return AttentionState(st.o.to(q.dtype), st.lse)
+        st = AttentionState.empty(tuple(q.shape[:-1]), q.shape[-1], device=q.device)
+        return st if sinks is None else AttentionState(st.o, sinks.float().expand(st.lse.shape).clone())
+    return merge_states(torch.stack([s.o.float() for s in states]), torch.stack([s.lse for s in states]),
+                        sinks=sinks)

@@ -20,10 +20,10 @@ from typing import NamedTuple
 import torch
 
 from . import _dispatch
-from ._constants import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES
+from ._constants import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, LOG2E
 from ._dispatch import use_triton
 from ._validate import (check_bool, check_head_dim, check_index_tensor, check_kv_layout, check_kv_scales,
-                        check_sm_scale, check_tensor, check_unit_stride)
+                        check_sm_scale, check_tensor, check_unit_stride, check_variants)
 from .heuristics import DecodePlan, decode_plan, num_sms
 from .state import AttentionState
 
@@ -47,7 +47,8 @@ class CacheGeometry(NamedTuple):
 
 
 def check_decode_args(q, k, v, seq_lens, *, block_table=None, num_splits=None, kv_layout="HND", plan=None,
-                      out=None, row_limits=None, k_scale=None, v_scale=None) -> CacheGeometry:
+                      out=None, row_limits=None, k_scale=None, v_scale=None, window_left=None, logit_softcap=None,
+                      sinks=None) -> CacheGeometry:
     """Validate :func:`flash_decode`'s tensor arguments (shapes, dtypes, devices, strides; index values of
     host tensors)."""
     check_tensor("q", q, dtypes=FLOAT_DTYPES)
@@ -103,9 +104,10 @@ def check_decode_args(q, k, v, seq_lens, *, block_table=None, num_splits=None, k
             raise ValueError(f"block_table must hold pages in [0, {num_pages - 1}] (k has {num_pages} pages) "
                              f"where seq_lens reach, got values in [{int(pages.min())}, {int(pages.max())}]")
     if row_limits is not None:
-        check_tensor("row_limits", row_limits, dtypes=INDEX_DTYPES, ndim=2, device=q.device)
-        if tuple(row_limits.shape) != (b, q_rows):
-            raise ValueError(f"row_limits must have shape [{b}, {q_rows}], got {tuple(row_limits.shape)}")
+        check_tensor("row_limits", row_limits, dtypes=INDEX_DTYPES, ndim=3, device=q.device)
+        if tuple(row_limits.shape) != (b, q_rows, 2):
+            raise ValueError(f"row_limits must have shape [{b}, {q_rows}, 2], got {tuple(row_limits.shape)}")
+    check_variants(window_left, logit_softcap, sinks, hq, q.device)
     if num_splits is not None:
         if not isinstance(num_splits, numbers.Integral) or isinstance(num_splits, bool):
             raise TypeError(f"num_splits must be an int or None, got {num_splits!r}")
@@ -165,34 +167,51 @@ def _contiguous_strides(shape) -> tuple:
     return tuple(reversed(strides))
 
 
-def _prepare(q, k, v, seq_lens, block_table, row_limits, scales, num_splits, kv_layout, plan, o, lse,
-             geo: CacheGeometry) -> _Prepared:
+class _Variants(NamedTuple):
+    """The optional parts of a call that shape its kernel: a window, a softcap, sinks, explicit row limits
+    (context-parallel ranks) and the span of positions a call can see (planned instead of ``T_max``)."""
+
+    window_left: int | None = None
+    softcap: bool = False
+    sinks: bool = False
+    row_limits: bool = False
+    span: int | None = None
+
+
+def _prepare(q, k, v, seq_lens, block_table, row_limits, sinks, scales, num_splits, kv_layout, plan, o, lse,
+             geo: CacheGeometry, var: _Variants) -> _Prepared:
     from .ops._launch import Launcher
     from .ops.split_kv import _split_kv_kernel, split_kv_launch_config, workspace_floats
 
     b, hq, d = q.shape[0], q.shape[-2], q.shape[-1]
     multi = q.dim() == 4
     if plan is None:
-        plan = decode_plan(b, geo.hkv, geo.t_max, d, q.dtype, num_sms(q.device), num_splits, kv_dtype=k.dtype)
+        # A window (or a context-parallel rank's share of one) bounds the positions a call reads: the
+        # splits tile that span from its first position, not the whole cache.
+        span = geo.t_max if var.window_left is None else min(geo.t_max, var.window_left + geo.q_rows)
+        span = span if var.span is None else min(span, var.span)
+        plan = decode_plan(b, geo.hkv, span, d, q.dtype, num_sms(q.device), num_splits, kv_dtype=k.dtype)
     ks, vs = k.stride(), v.stride()
     # The kernel reads k/v through (batch or page, KV head, position or slot) strides.
     if kv_layout == "NHD":
         ks, vs = (ks[0], ks[2], ks[1]), (vs[0], vs[2], vs[1])
     constexprs, options, tiling = split_kv_launch_config(
         q.dtype, hq // geo.hkv, geo.q_rows, d, plan, has_seq_lens=seq_lens is not None, page_size=geo.page_size,
-        causal=geo.q_rows > 1 and row_limits is None, row_limits=row_limits is not None, kv_scale=geo.kv_scale)
+        causal=geo.q_rows > 1 and row_limits is None, row_limits=row_limits is not None, kv_scale=geo.kv_scale,
+        window=var.window_left is not None and row_limits is None, softcap=var.softcap, sinks=sinks is not None)
     grid = (b * geo.hkv * tiling.n_rt, plan.num_splits)
     launcher = Launcher(_split_kv_kernel, grid, constexprs, device=q.get_device() if q.is_cuda else None,
                         **options)
     lse_shape = tuple(q.shape[:-1])
     o_strides = _bqh(o.stride() if o is not None else _contiguous_strides(q.shape), multi)
     lse_strides = _bqh(lse.stride() if lse is not None else _contiguous_strides(lse_shape), multi)
-    int_args = (geo.t_max, plan.tiles_per_split, plan.num_splits, geo.hkv, geo.num_pages,
+    int_args = (geo.t_max, plan.tiles_per_split, plan.num_splits, geo.hkv, geo.num_pages, var.window_left or 0,
                 *_bqh(q.stride(), multi), ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], *o_strides, *lse_strides,
                 seq_lens.stride(0) if seq_lens is not None else 0,
                 *(block_table.stride() if block_table is not None else (0, 0)),
-                *(row_limits.stride() if row_limits is not None else (0, 0)),
-                *((sc.stride(0) if sc.dim() else 0) if geo.kv_scale == 2 else 0 for sc in scales))
+                *(row_limits.stride() if row_limits is not None else (0, 0, 0)),
+                *((sc.stride(0) if sc.dim() else 0) if geo.kv_scale == 2 else 0 for sc in scales),
+                sinks.stride(0) if sinks is not None else 0)
     return _Prepared(plan, launcher, int_args, 1.0 / math.sqrt(d), lse_shape,
                      workspace_floats(b, geo.hkv, tiling, d, plan.num_splits), b * geo.hkv * tiling.n_rt)
 
@@ -243,9 +262,9 @@ def _sig(t) -> tuple:
     return (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() & 15)
 
 
-def _key(q, k, v, seq_lens, block_table, row_limits, k_scale, v_scale, num_splits, kv_layout, plan, out):
-    sig = (*_sig(q), *_sig(k), *_sig(v), num_splits, kv_layout, plan)
-    for t in (seq_lens, block_table, row_limits):
+def _key(q, k, v, seq_lens, block_table, row_limits, k_scale, v_scale, sinks, num_splits, kv_layout, plan, out, var):
+    sig = (*_sig(q), *_sig(k), *_sig(v), num_splits, kv_layout, plan, var)
+    for t in (seq_lens, block_table, row_limits, sinks):
         sig += (None,) if t is None else _sig(t)
     for sc in (k_scale, v_scale):  # the values of float scales are read at every call
         sig += (None,) if sc is None else _sig(sc) if sc.__class__ is torch.Tensor else (float,)
@@ -256,7 +275,8 @@ def _key(q, k, v, seq_lens, block_table, row_limits, k_scale, v_scale, num_split
 
 
 def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num_splits=None, kv_layout="HND",
-                 k_scale=None, v_scale=None, return_lse=False, out=None, plan=None, _row_limits=None):
+                 k_scale=None, v_scale=None, window_left=None, logit_softcap=None, sinks=None, return_lse=False,
+                 out=None, plan=None, _row_limits=None, _span=None):
     """Exact decode attention over a KV cache, dense or paged, for one or a few new tokens per request
     (Flash-Decoding, one launch).
 
@@ -269,10 +289,11 @@ def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num
         k, v: a dense cache ``[B, Hkv, T_max, D]`` (``kv_layout="HND"``) or ``[B, T_max, Hkv, D]``
             (``"NHD"``); with ``block_table``, page pools ``[num_pages, Hkv, page_size, D]`` (``"HND"``) or
             ``[num_pages, page_size, Hkv, D]`` (``"NHD"``: the vLLM / FlashInfer layout), any
-            ``page_size >= 1``. q's dtype and device; any strides (a slice of a larger cache, or ``k``/``v``
-            as views of one ``[num_pages, 2, ...]`` tensor) with a contiguous last dim. ``Hq % Hkv == 0``:
-            query head ``h`` reads KV head ``h // (Hq // Hkv)``. ``D`` is a multiple of 8 in ``[32, 256]``.
-            Positions past a sequence's length are never read (they may hold garbage).
+            ``page_size >= 1``. q's dtype (or FP8, see ``k_scale``) and device; any strides (a slice of a
+            larger cache, or ``k``/``v`` as views of one ``[num_pages, 2, ...]`` tensor) with a contiguous
+            last dim. ``Hq % Hkv == 0``: query head ``h`` reads KV head ``h // (Hq // Hkv)``. ``D`` is a
+            multiple of 8 in ``[32, 256]``. Positions past a sequence's length are never read (they may hold
+            garbage).
         seq_lens: ``[B]`` int32/int64 on q's device, any stride, ``0 <= len <= T_max`` (``max_pages *
             page_size`` for a page pool, where it is required; ``None``: all ``T_max``). Values are checked
             on the host for CPU tensors; on the GPU they are clamped.
@@ -280,13 +301,21 @@ def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num
             ``block_table[b, p // page_size]``, slot ``p % page_size``. The pages that ``seq_lens`` reach
             are checked to lie in the pool for CPU tensors; on the GPU they are clamped into it.
         sm_scale: score scale (default ``1 / sqrt(D)``).
-        num_splits: ``None`` for the tuned policy (decided from shapes and ``T_max``), or a fixed count
-            (``1`` = no split; capped at the number of KV tiles).
+        num_splits: ``None`` for the tuned policy (decided from shapes and ``T_max``, or the window), or a
+            fixed count (``1`` = no split; capped at the number of KV tiles).
         k_scale, v_scale: required for an FP8 cache (``k``, ``v`` in ``float8_e4m3fn`` or ``float8_e5m2``
             with ``q`` float16 or bfloat16), refused otherwise: positive python floats, 0-d float32 tensors
             or ``[Hkv]`` float32 tensors (per KV head). The key used is ``k.float() * k_scale``, the value
             ``v.float() * v_scale``; the kernel dequantises in registers (``k_scale`` folds into the score
             scale and ``v_scale`` into the output). :func:`cp_attention.quantize_kv` makes such caches.
+        window_left: ``W`` (int >= 0): the query at position ``p`` sees only the keys at ``[p - W, p]`` (a
+            single-row query sits at ``seq_len - 1``, row ``i`` of ``Q`` at ``seq_len - Q + i``). Only the
+            splits and tiles the window reaches are read. ``None``: no window.
+        logit_softcap: ``c`` (float > 0): scores are ``c * tanh(sm_scale * q.k / c)`` (Gemma 2). ``None``:
+            plain scores.
+        sinks: ``[Hq]`` float32: one extra logit per query head in the softmax denominator, with no value
+            (gpt-oss): ``o = sum_j e^{s_j} v_j / (e^{sink} + sum_j e^{s_j})``; the returned lse includes it,
+            and a row that sees no key gets ``o = 0``, ``lse = sink``.
         return_lse: also return the natural-log LSE.
         out: where to write: a tensor of q's shape (q's dtype or float32, unit stride in D), or an
             ``AttentionState(o, lse of shape q.shape[:-1] float32)``; any strides. Then no output is
@@ -305,9 +334,11 @@ def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num
     torch.Size([2, 8])
     """
     prep = key = None
+    var = _Variants(window_left, logit_softcap is not None, sinks is not None, _row_limits is not None, _span)
     if q.__class__ is torch.Tensor and q.is_cuda:
         try:
-            key = _key(q, k, v, seq_lens, block_table, _row_limits, k_scale, v_scale, num_splits, kv_layout, plan, out)
+            key = _key(q, k, v, seq_lens, block_table, _row_limits, k_scale, v_scale, sinks, num_splits, kv_layout,
+                       plan, out, var)
             prep = _PREPARED.get(key)
         except (AttributeError, TypeError):  # not tensors: the full checks below say what is wrong
             key = None
@@ -316,14 +347,15 @@ def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num
         check_bool("return_lse", return_lse)
         geo = check_decode_args(q, k, v, seq_lens, block_table=block_table, num_splits=num_splits,
                                 kv_layout=kv_layout, plan=plan, out=out, row_limits=_row_limits,
-                                k_scale=k_scale, v_scale=v_scale)
+                                k_scale=k_scale, v_scale=v_scale, window_left=window_left,
+                                logit_softcap=logit_softcap, sinks=sinks)
         check_sm_scale(sm_scale)
         if not use_triton(q):
             k, v = _dequantize(k, v, k_scale, v_scale, kv_layout, geo.kv_scale)
-            return _torch_path(q, k, v, seq_lens, block_table, _row_limits, sm_scale, kv_layout, return_lse,
-                               o_out, lse_out)
-        prep = _prepare(q, k, v, seq_lens, block_table, _row_limits, (k_scale, v_scale), num_splits, kv_layout,
-                        plan, o_out, lse_out, geo)
+            return _torch_path(q, k, v, seq_lens, block_table, _row_limits, sm_scale, kv_layout, window_left,
+                               logit_softcap, sinks, return_lse, o_out, lse_out)
+        prep = _prepare(q, k, v, seq_lens, block_table, _row_limits, sinks, (k_scale, v_scale), num_splits,
+                        kv_layout, plan, o_out, lse_out, geo, var)
         if key is not None:
             if len(_PREPARED) >= _MAX_PREPARED:
                 _PREPARED.clear()
@@ -335,6 +367,12 @@ def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num
         scale = float(sm_scale)
     if return_lse is not True and return_lse is not False:
         check_bool("return_lse", return_lse)
+    if logit_softcap is None:
+        cap = 1.0
+    else:
+        if not (logit_softcap > 0 and math.isfinite(logit_softcap)):
+            check_variants(None, logit_softcap, None, 1, q.device)
+        cap = float(logit_softcap) * LOG2E
     o = _dispatch.new_buffer(q.shape, q.dtype, q.device) if o_out is None else o_out
     work, counter, scratch_lse = _scratch(q.device).get(q.device, prep.work_floats, prep.counters,
                                                         q.numel() // q.shape[-1])
@@ -356,8 +394,8 @@ def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num
         ks, vs = float(k_scale), float(v_scale)
     if q.shape[0] > 0:
         prep.launcher(q, k, v, q if seq_lens is None else seq_lens, q if block_table is None else block_table,
-                      q if _row_limits is None else _row_limits, k_sc, v_sc, o, lse, work, counter, scale, ks, vs,
-                      *prep.int_args)
+                      q if _row_limits is None else _row_limits, k_sc, v_sc, q if sinks is None else sinks, o, lse,
+                      work, counter, scale, ks, vs, cap, *prep.int_args)
     return AttentionState(o, lse) if return_lse else o
 
 
@@ -378,12 +416,14 @@ def _dequantize(k, v, k_scale, v_scale, kv_layout, mode):
     return out
 
 
-def _torch_path(q, k, v, seq_lens, block_table, row_limits, sm_scale, kv_layout, return_lse, o_out, lse_out):
+def _torch_path(q, k, v, seq_lens, block_table, row_limits, sm_scale, kv_layout, window_left, logit_softcap, sinks,
+                return_lse, o_out, lse_out):
     from .reference import attention, paged_to_dense
 
     if block_table is not None:
         k, v = (paged_to_dense(t, block_table, kv_layout) for t in (k, v))
-    st = attention(q, k, v, seq_lens, sm_scale=sm_scale, kv_layout=kv_layout, row_limits=row_limits)
+    st = attention(q, k, v, seq_lens, sm_scale=sm_scale, kv_layout=kv_layout, row_limits=row_limits,
+                   window_left=window_left, logit_softcap=logit_softcap, sinks=sinks)
     o = st.o.to(q.dtype if o_out is None else o_out.dtype)
     if o_out is not None:
         o = o_out.copy_(o)

@@ -39,10 +39,11 @@ from . import _dispatch
 from ._constants import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES
 from ._validate import (check_bool, check_index_tensor, check_int, check_kv_layout, check_kv_scales, check_sm_scale,
                         check_state, check_tensor)
+from .cascade import cascade_decode
 from .decode import check_decode_args, flash_decode
 from .state import AttentionState, merge_states
 
-__all__ = ["all_gather_states", "merge_across_ranks", "shard_kv", "cp_flash_decode", "CPKVCache"]
+__all__ = ["all_gather_states", "merge_across_ranks", "shard_kv", "cp_flash_decode", "cp_cascade_decode", "CPKVCache"]
 
 PLACEMENTS = ("contiguous", "interleaved")
 _DTYPE_CODES = {dtype: i + 1 for i, dtype in enumerate(FLOAT_DTYPES)}
@@ -91,10 +92,10 @@ def _all_gather_packed(packed, group) -> torch.Tensor:
     return gathered
 
 
-def _merge_packed(packed, group, out_dtype) -> AttentionState:
+def _merge_packed(packed, group, out_dtype, sinks=None) -> AttentionState:
     gathered = _all_gather_packed(packed, group)
     d = packed.shape[-1] - 1
-    return merge_states(gathered[..., :d], gathered[..., d], out_dtype=out_dtype)
+    return merge_states(gathered[..., :d], gathered[..., d], out_dtype=out_dtype, sinks=sinks)
 
 
 def merge_across_ranks(state, group=None) -> AttentionState:
@@ -188,21 +189,18 @@ def _collective_device(group) -> torch.device:
     return torch.device("cpu")
 
 
-def _check_metadata(q, k_shard, v_shard, seq_lens_shard, kwargs, group, row_limits=None) -> None:
-    """Validate locally, then all-gather ``(ok, B, Q, Hq, D, dtype, Hkv, sm_scale bits)`` so that an
-    argument rejected on one rank, or shapes that differ across ranks, raise on every rank instead of
-    hanging."""
+def _scale_bits(sm_scale, d) -> int:
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    return struct.unpack("<q", struct.pack("<d", float(scale)))[0]
+
+
+def _agree(local_meta, group, what: str) -> None:
+    """All-gather ``(ok, B, Q, Hq, D, dtype, Hkv, sm_scale bits)`` from ``local_meta()`` (which validates this
+    rank's arguments and may raise), so that an argument rejected on one rank, or shapes that differ across
+    ranks, raise on every rank instead of hanging."""
     error = None
     try:
-        geo = check_decode_args(q, k_shard, v_shard, seq_lens_shard, block_table=kwargs.get("block_table"),
-                                num_splits=kwargs.get("num_splits"), kv_layout=kwargs.get("kv_layout", "HND"),
-                                row_limits=row_limits, k_scale=kwargs.get("k_scale"), v_scale=kwargs.get("v_scale"))
-        check_sm_scale(kwargs.get("sm_scale"))
-        b, hq, d = q.shape[0], q.shape[-2], q.shape[-1]
-        scale = kwargs.get("sm_scale")
-        scale = 1.0 / math.sqrt(d) if scale is None else scale
-        scale_bits = struct.unpack("<q", struct.pack("<d", float(scale)))[0]
-        meta = [1, b, geo.q_rows, hq, d, _DTYPE_CODES[q.dtype], geo.hkv, scale_bits]
+        meta = [1, *local_meta()]
     except (ValueError, TypeError) as exc:
         error = exc
         meta = [0] * 8
@@ -216,7 +214,7 @@ def _check_metadata(q, k_shard, v_shard, seq_lens_shard, kwargs, group, row_limi
         raise error
     bad = [r for r, row in enumerate(rows) if row[0] == 0]
     if bad:
-        raise ValueError(f"cp_flash_decode: rank(s) {bad} rejected their arguments (see their error)")
+        raise ValueError(f"{what}: rank(s) {bad} rejected their arguments (see their error)")
     names = ("B", "Q", "Hq", "D", "dtype", "Hkv", "sm_scale")
     codes = {c: str(t).replace("torch.", "") for t, c in _DTYPE_CODES.items()}
 
@@ -228,27 +226,47 @@ def _check_metadata(q, k_shard, v_shard, seq_lens_shard, kwargs, group, row_limi
 
     if any(row != rows[0] for row in rows):
         detail = "; ".join(f"rank {r}: {describe(row)}" for r, row in enumerate(rows))
-        raise ValueError("cp_flash_decode: q (batch, rows, heads, head dim, dtype), the KV heads of k_shard and "
-                         f"sm_scale must match on every rank, got {detail}")
+        raise ValueError(f"{what}: q (batch, rows, heads, head dim, dtype), the KV heads and sm_scale must match on "
+                         f"every rank, got {detail}")
 
 
-def _cp_decode(q, k_shard, v_shard, seq_lens_shard, *, group, check_metadata, row_limits, kwargs):
-    """Local attention written unrounded into the exchange buffer, then ⊕ across the ranks."""
-    return_lse = kwargs.pop("return_lse", False)
+def _decode_meta(q, k_shard, v_shard, seq_lens_shard, kwargs, row_limits):
+    geo = check_decode_args(q, k_shard, v_shard, seq_lens_shard, block_table=kwargs.get("block_table"),
+                            num_splits=kwargs.get("num_splits"), kv_layout=kwargs.get("kv_layout", "HND"),
+                            row_limits=row_limits, k_scale=kwargs.get("k_scale"), v_scale=kwargs.get("v_scale"),
+                            window_left=kwargs.get("window_left"), logit_softcap=kwargs.get("logit_softcap"),
+                            sinks=kwargs.get("sinks"))
+    check_sm_scale(kwargs.get("sm_scale"))
+    d = q.shape[-1]
+    return [q.shape[0], geo.q_rows, q.shape[-2], d, _DTYPE_CODES[q.dtype], geo.hkv, _scale_bits(kwargs.get("sm_scale"), d)]
+
+
+def _exchange(q, local_into, *, group, return_lse, sinks):
+    """``local_into(o_view, lse_view)`` writes this rank's unrounded fp32 state straight into the exchange
+    buffer; one all-gather, then ⊕ across the ranks in rank order (bitwise identical on every rank), with the
+    attention sinks joined once."""
     check_bool("return_lse", return_lse)
+    check_tensor("q", q, dtypes=FLOAT_DTYPES)
+    d = q.shape[-1]
+    packed = _dispatch.new_buffer(tuple(q.shape[:-1]) + (d + 1,), torch.float32, q.device)
+    local_into(packed[..., :d], packed[..., d])
+    merged = _merge_packed(packed, group, q.dtype, sinks)
+    return merged if return_lse else merged.o
+
+
+def _cp_decode(q, k_shard, v_shard, seq_lens_shard, *, group, check_metadata, row_limits, span, kwargs):
+    """Local attention written unrounded into the exchange buffer, then ⊕ across the ranks."""
     check_bool("check_metadata", check_metadata)
+    check_bool("return_lse", kwargs.get("return_lse", False))
     if "out" in kwargs:
         raise TypeError("cp_flash_decode does not take out (the local state goes into the exchange buffer)")
     if check_metadata:
-        _check_metadata(q, k_shard, v_shard, seq_lens_shard, kwargs, group, row_limits)
-    check_tensor("q", q, dtypes=FLOAT_DTYPES)
-    d = q.shape[-1]
-    # The local state, unrounded fp32 with its lse, is written straight into the buffer that is exchanged.
-    packed = _dispatch.new_buffer(tuple(q.shape[:-1]) + (d + 1,), torch.float32, q.device)
-    flash_decode(q, k_shard, v_shard, seq_lens_shard, out=AttentionState(packed[..., :d], packed[..., d]),
-                 _row_limits=row_limits, **kwargs)
-    merged = _merge_packed(packed, group, q.dtype)
-    return merged if return_lse else merged.o
+        _agree(lambda: _decode_meta(q, k_shard, v_shard, seq_lens_shard, kwargs, row_limits), group, "cp_flash_decode")
+    return_lse = kwargs.pop("return_lse", False)
+    sinks = kwargs.pop("sinks", None)
+    return _exchange(q, lambda o, lse: flash_decode(q, k_shard, v_shard, seq_lens_shard, out=AttentionState(o, lse),
+                                                    _row_limits=row_limits, _span=span, **kwargs),
+                     group=group, return_lse=return_lse, sinks=sinks)
 
 
 def cp_flash_decode(q, k_shard, v_shard, seq_lens_shard, *, group=None, check_metadata=True,
@@ -257,19 +275,20 @@ def cp_flash_decode(q, k_shard, v_shard, seq_lens_shard, *, group=None, check_me
     unsharded cache (see Note [Context-parallel decode]). Every rank of ``group`` calls it.
 
     Args:
-        q: ``[B, Hq, D]`` float16, bfloat16 or float32; the same query on every rank. (Several query rows
-            need the causal rule in global positions: use :meth:`CPKVCache.decode`.)
+        q: ``[B, Hq, D]`` float16, bfloat16 or float32; the same query on every rank. (Several query rows and
+            sliding windows need global positions: use :meth:`CPKVCache.decode`.)
         k_shard, v_shard: this rank's shard, ``[B, Hkv, C, D]`` (HND; ``kv_layout="NHD"`` for
-            ``[B, C, Hkv, D]``), or this rank's page pools with ``block_table=``, q's dtype and device.
-            ``C`` may differ across ranks.
+            ``[B, C, Hkv, D]``), or this rank's page pools with ``block_table=``, q's dtype (or FP8) and
+            device. ``C`` may differ across ranks.
         seq_lens_shard: ``[B]`` int32/int64, valid tokens of this shard (0 for an empty shard), or ``None``.
         group: the process group (default: the world).
         check_metadata: all-gather ``(B, Hq, D, dtype, Hkv, sm_scale)`` first and raise ``ValueError`` on
             every rank if they differ or if any rank rejected its arguments (instead of a hang or a wrong
             merge). It syncs with the host: pass ``False`` on the hot path and inside CUDA graphs.
         **flash_decode_kwargs: ``block_table``, ``sm_scale``, ``num_splits``, ``kv_layout``, ``k_scale``,
-            ``v_scale``, ``return_lse`` as in :func:`flash_decode` (``sm_scale`` must be the same on every
-            rank; ``block_table`` is this rank's; FP8 scales may differ across ranks).
+            ``v_scale``, ``logit_softcap``, ``sinks``, ``return_lse`` as in :func:`flash_decode` (``sm_scale``,
+            ``logit_softcap`` and ``sinks`` the same on every rank; ``block_table`` is this rank's; FP8 scales
+            may differ across ranks). The sinks join once, after the merge across ranks.
 
     Returns:
         ``o [B, Hq, D]`` in q's dtype, or ``AttentionState(o, lse [B, Hq] float32, natural log)`` with
@@ -283,8 +302,58 @@ def cp_flash_decode(q, k_shard, v_shard, seq_lens_shard, *, group=None, check_me
     if isinstance(q, torch.Tensor) and q.dim() == 4:
         raise ValueError("q must have 3 dims [B, Hq, D] in cp_flash_decode: several query rows need the causal "
                          "rule in global positions, which CPKVCache.decode applies")
+    if flash_decode_kwargs.get("window_left") is not None:
+        raise TypeError("window_left needs global positions, which cp_flash_decode does not have: use "
+                        "CPKVCache.decode")
     return _cp_decode(q, k_shard, v_shard, seq_lens_shard, group=group, check_metadata=check_metadata,
-                      row_limits=None, kwargs=flash_decode_kwargs)
+                      row_limits=None, span=None, kwargs=flash_decode_kwargs)
+
+
+def cp_cascade_decode(q, levels, *, group=None, check_metadata=True, **cascade_kwargs):
+    """Cascade decode over levels sharded across ranks: equals :func:`cp_attention.cascade_decode` on the
+    unsharded levels. Every rank of ``group`` calls it with its shard of every level -- a shared prefix too
+    (e.g. :func:`shard_kv` of the prefix), so each GPU reads its part of the prefix once for all the
+    requests that share it.
+
+    Args:
+        q: ``[B, Hq, D]``, the same on every rank.
+        levels: this rank's :class:`cp_attention.CascadeLevel` shards (the same number of levels, kinds and
+            ``segment_ids`` on every rank; segment lengths are the shards').
+        group, check_metadata: as in :func:`cp_flash_decode`.
+        **cascade_kwargs: ``sm_scale``, ``k_scale``, ``v_scale``, ``logit_softcap``, ``sinks``,
+            ``return_lse`` as in :func:`cascade_decode`; the sinks join once, after the merge across ranks.
+
+    Returns:
+        As :func:`cascade_decode`, bitwise identical on every rank.
+
+    >>> ks, vs, lens = shard_kv(prefix_k, prefix_v, None, rank, world)       # [1, Hkv, C, D] each
+    >>> o = cp_cascade_decode(q, [CascadeLevel(ks, vs, lens), own_tokens_shard])
+    """
+    from .cascade import _validate
+
+    if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] > 1:
+        raise ValueError("q must have one row per request in cp_cascade_decode: several query rows need the causal "
+                         "rule in global positions")
+    check_bool("check_metadata", check_metadata)
+    check_bool("return_lse", cascade_kwargs.get("return_lse", False))
+    if check_metadata:
+        def meta():
+            _validate(q, levels, cascade_kwargs.get("sm_scale"), cascade_kwargs.get("return_lse", False),
+                      cascade_kwargs.get("k_scale"), cascade_kwargs.get("v_scale"),
+                      cascade_kwargs.get("logit_softcap"), cascade_kwargs.get("sinks"))
+            lvl = levels[0]
+            hkv = lvl.k.shape[2] if lvl.block_table is not None else lvl.k.shape[1]
+            d = q.shape[-1]
+            return [q.shape[0], 1, q.shape[-2], d, _DTYPE_CODES[q.dtype], hkv,
+                    _scale_bits(cascade_kwargs.get("sm_scale"), d)]
+
+        _agree(meta, group, "cp_cascade_decode")
+    kwargs = dict(cascade_kwargs)
+    return_lse = kwargs.pop("return_lse", False)
+    sinks = kwargs.pop("sinks", None)
+    d = q.shape[-1]
+    return _exchange(q, lambda o, lse: cascade_decode(q, levels, _out=(o.reshape(-1, d), lse.reshape(-1)), **kwargs),
+                     group=group, return_lse=return_lse, sinks=sinks)
 
 
 class CPKVCache:
@@ -489,21 +558,30 @@ class CPKVCache:
     def decode(self, q, **kwargs):
         """Attention of ``q [B, Hq, D]``, or ``q [B, Q, Hq, D]`` with the causal rule in global positions,
         over the cache, merged across the ranks (all ranks call it); ``kwargs`` as in
-        :func:`cp_flash_decode`."""
+        :func:`cp_flash_decode`, plus ``window_left`` (in global positions, as in :func:`flash_decode`)."""
         for own in ("block_table", "kv_layout", "k_scale", "v_scale"):
             if own in kwargs:
                 raise TypeError(f"CPKVCache.decode takes no {own} (the cache has its own)")
         check_metadata = kwargs.pop("check_metadata", True)
-        row_limits = None
-        if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] > 1:
-            n_q = q.shape[1]
-            first = self.global_seq_lens[:, None] - n_q + 1 + torch.arange(n_q, device=q.device)  # [B, Q]
-            row_limits = _interleaved_counts(first.clamp(min=0), self.rank, self.world_size).to(torch.int32)
+        window = kwargs.pop("window_left", None)
+        if window is not None:
+            check_int("window_left", window, 0)
+        row_limits = span = None
+        n_q = q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 4 else 1
+        if n_q > 1 or window is not None:
+            # Row i sees the global positions [L - Q + i - W, L - Q + 1 + i): on this rank, the owned slots
+            # below each end (interleaved placement: counted, not searched).
+            end = self.global_seq_lens[:, None] - n_q + 1 + torch.arange(n_q, device=self.seq_lens.device)
+            first = end - 1 - window if window is not None else torch.zeros_like(end)
+            row_limits = torch.stack([_interleaved_counts(x.clamp(min=0), self.rank, self.world_size)
+                                      for x in (first, end)], dim=-1).to(torch.int32)
+            if window is not None:
+                span = -(-(window + n_q) // self.world_size) + 1
         if self.k_scale is not None:
             kwargs = dict(kwargs, k_scale=self.k_scale, v_scale=self.v_scale)
         return _cp_decode(q, self.k, self.v, self.seq_lens, group=self.group, check_metadata=check_metadata,
-                          row_limits=row_limits, kwargs=dict(kwargs, block_table=self.block_table,
-                                                             kv_layout=self.kv_layout))
+                          row_limits=row_limits, span=span, kwargs=dict(kwargs, block_table=self.block_table,
+                                                                        kv_layout=self.kv_layout))
 
     @property
     def _heads_kv(self) -> int:

@@ -11,7 +11,8 @@ from .state import AttentionState
 __all__ = ["attention", "paged_to_dense"]
 
 
-def attention(q, k, v, seq_lens=None, *, sm_scale=None, kv_layout="HND", row_limits=None) -> AttentionState:
+def attention(q, k, v, seq_lens=None, *, sm_scale=None, kv_layout="HND", row_limits=None, window_left=None,
+              logit_softcap=None, sinks=None) -> AttentionState:
     """Exact attention of one or a few query rows per head against a dense KV cache, in one pass.
 
     Args:
@@ -23,7 +24,12 @@ def attention(q, k, v, seq_lens=None, *, sm_scale=None, kv_layout="HND", row_lim
             whatever they hold (NaN included).
         sm_scale: score scale, default ``1 / sqrt(D)``.
         row_limits: ``[B, Q]``: row ``i`` of request ``b`` sees the positions ``p < row_limits[b, i]``
-            (and ``p < seq_len``) instead of the causal rule.
+            (and ``p < seq_len``) instead of the causal rule; or ``[B, Q, 2]``: the positions
+            ``row_limits[b, i, 0] <= p < row_limits[b, i, 1]``.
+        window_left: row ``i`` (at position ``seq_len - Q + i``) sees only positions ``>= seq_len - Q + i -
+            window_left``.
+        logit_softcap: scores ``c * tanh(s / c)``.
+        sinks: ``[Hq]``: one extra logit per query head in the softmax denominator, with no value.
 
     Returns:
         ``AttentionState(o, lse)`` with ``o`` of q's shape and ``lse`` of ``q.shape[:-1]``, natural log;
@@ -47,20 +53,34 @@ def attention(q, k, v, seq_lens=None, *, sm_scale=None, kv_layout="HND", row_lim
     lens = (torch.full((b,), t, device=k.device) if seq_lens is None else seq_lens.to(k.device)).long()
     pos = torch.arange(t, device=k.device)
     valid = pos[None, :] < lens[:, None]  # [B, T]: positions holding keys
-    if row_limits is not None:
+    lows = None
+    if row_limits is not None and row_limits.dim() == 3:
+        lows, limits = row_limits[..., 0].to(k.device).long(), row_limits[..., 1].to(k.device).long()
+    elif row_limits is not None:
         limits = row_limits.to(k.device).long()
     else:
         limits = lens[:, None] - n_q + 1 + torch.arange(n_q, device=k.device)[None, :]  # [B, Q]
+    if window_left is not None:
+        lows = limits - 1 - window_left
     visible = valid[:, None, :] & (pos[None, None, :] < limits[:, :, None])  # [B, Q, T]
+    if lows is not None:
+        visible &= pos[None, None, :] >= lows[:, :, None]
     # Garbage (NaN, inf) past a sequence's length never enters the result.
     kk = k.to(ct).masked_fill(~valid[:, None, :, None], 0.0).repeat_interleave(hq // hkv, dim=1)
     vv = v.to(ct).masked_fill(~valid[:, None, :, None], 0.0).repeat_interleave(hq // hkv, dim=1)
     s = torch.einsum("bqhd,bhtd->bqht", q4.to(ct), kk) * scale
+    if logit_softcap is not None:
+        s = logit_softcap * torch.tanh(s / logit_softcap)
     s = s.masked_fill(~visible[:, :, None, :], float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # [B, Q, Hq]
     lse_ref = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
     p = torch.exp(s - lse_ref[..., None])
     o = torch.einsum("bqht,bhtd->bqhd", p, vv)
+    if sinks is not None:  # the sink joins the denominator once, with no value
+        sink = sinks.to(device=k.device, dtype=ct)[None, None, :].expand_as(lse)
+        total = torch.logaddexp(lse, sink)
+        o = o * torch.exp(lse - total)[..., None]
+        lse = total
     if not multi:
         o, lse = o[:, 0], lse[:, 0]
     return AttentionState(o, lse if ct == torch.float64 else lse.float())

@@ -29,7 +29,7 @@ import torch
 from . import _dispatch
 from ._constants import FLOAT_DTYPES, LN2, LOG2E
 from ._dispatch import use_triton
-from ._validate import check_state, check_state_tensors
+from ._validate import check_state, check_state_tensors, check_variants
 
 __all__ = ["AttentionState", "merge", "merge_states", "lse_to_base2", "lse_from_base2"]
 
@@ -62,13 +62,16 @@ class AttentionState(NamedTuple):
         )
 
 
-def merge_states(o: torch.Tensor, lse: torch.Tensor, *, out_dtype: torch.dtype | None = None) -> AttentionState:
+def merge_states(o: torch.Tensor, lse: torch.Tensor, *, out_dtype: torch.dtype | None = None,
+                 sinks: torch.Tensor | None = None) -> AttentionState:
     """⊕ over dim 0: merge ``N`` states of disjoint key sets into one.
 
     Args:
         o: ``[N, ..., D]`` float16, bfloat16 or float32.
         lse: ``[N, ...]`` float32, natural log; ``-inf`` marks an empty state.
         out_dtype: dtype of the merged ``o`` (default: ``o.dtype``), written directly by the kernel.
+        sinks: ``[H]`` float32 with ``H = o.shape[-2]`` (the query heads): attention sinks, one extra logit per
+            head joined once into the merged state, with no value (``lse`` includes it).
 
     Returns:
         ``AttentionState`` with ``o [..., D]`` in ``out_dtype`` and ``lse [...]`` float32 (natural log).
@@ -87,6 +90,10 @@ def merge_states(o: torch.Tensor, lse: torch.Tensor, *, out_dtype: torch.dtype |
     out_dtype = o.dtype if out_dtype is None else out_dtype
     if out_dtype not in FLOAT_DTYPES:
         raise TypeError(f"out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
+    if sinks is not None:
+        if o.dim() < 3:
+            raise ValueError(f"o must have a head dim [N, ..., H, D] to take sinks, got shape {tuple(o.shape)}")
+        check_variants(None, None, sinks, o.shape[-2], o.device)
     if use_triton(o):
         from .ops.merge import merge_states_into
 
@@ -96,10 +103,18 @@ def merge_states(o: torch.Tensor, lse: torch.Tensor, *, out_dtype: torch.dtype |
             o3 = o3.contiguous()
         out_o = _dispatch.new_buffer(lead + (d,), out_dtype, o.device)
         out_lse = _dispatch.new_buffer(lead, torch.float32, o.device)
-        merge_states_into(o3, lse.reshape(n, m), out_o.view(m, d), out_lse.view(m))
+        merge_states_into(o3, lse.reshape(n, m), out_o.view(m, d), out_lse.view(m), sinks=sinks)
         return AttentionState(out_o, out_lse)
     out = _merge_states_torch(o, lse)
+    if sinks is not None:
+        out = _add_sinks_torch(out, sinks)
     return AttentionState(out.o.to(out_dtype), out.lse)
+
+
+def _add_sinks_torch(st: AttentionState, sinks: torch.Tensor) -> AttentionState:
+    """``st ⊕ (0, sink)`` per query head (dim -2 of ``o``), float32."""
+    total = torch.logaddexp(st.lse, sinks.float().expand_as(st.lse))
+    return AttentionState(st.o.float() * torch.exp(st.lse - total)[..., None], total)
 
 
 def unnormalize(o: torch.Tensor, lse: torch.Tensor, m: torch.Tensor):

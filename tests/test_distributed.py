@@ -306,6 +306,61 @@ def case_cache_fp8(rank, world, *, b, hq, hkv, d, prefix_t, prefix_lens, steps, 
     return got
 
 
+def case_variants(rank, world, *, b, hq, hkv, t, d, lens, placement):
+    """cp_flash_decode with a softcap and sinks: the sink joins once, after the merge across ranks."""
+    q, k, v, seq_lens = _cache(b, hq, hkv, t, d, lens, q_gain=10.0)
+    sinks = torch.linspace(-1.0, 3.0, hq)
+    ks, vs, ls = shard_kv(k, v, seq_lens, rank, world, placement)
+    got = cp_flash_decode(q, ks, vs, ls, logit_softcap=25.0, sinks=sinks, return_lse=True)
+    ref = attention(q.double(), k.double(), v.double(), seq_lens, logit_softcap=25.0, sinks=sinks)
+    _assert_state_close(got, ref, TOL_REF[q.dtype], "CP softcap + sinks vs float64 reference")
+    return got
+
+
+def case_cache_window(rank, world, *, b, hq, hkv, d, prefix_t, prefix_lens, window, q_rows):
+    """CPKVCache.decode with a sliding window in global positions (and draft rows)."""
+    total = prefix_t + q_rows
+    q0, k, v, seq_lens = _cache(b, hq, hkv, total, d, prefix_lens, q_gain=3.0, seed=9)
+    cache = CPKVCache.from_prefix(k[:, :, :prefix_t], v[:, :, :prefix_t], seq_lens, total)
+    g = torch.Generator().manual_seed(10)
+    k_new, v_new = torch.randn(b, q_rows, hkv, d, generator=g), torch.randn(b, q_rows, hkv, d, generator=g)
+    q = torch.randn(b, q_rows, hq, d, generator=g) * 3
+    cache.append(k_new, v_new)
+    rows = torch.arange(b)
+    for j in range(q_rows):
+        k[rows, :, seq_lens.long() + j], v[rows, :, seq_lens.long() + j] = k_new[:, j], v_new[:, j]
+    lens = seq_lens + q_rows
+    sinks = torch.linspace(0.0, 1.0, hq)
+    got = cache.decode(q, window_left=window, sinks=sinks, return_lse=True)
+    ref = attention(q.double(), k.double(), v.double(), lens, window_left=window, sinks=sinks)
+    _assert_state_close(got, ref, TOL_REF[q.dtype], "CP windowed cache vs float64 reference")
+    single = flash_decode(q, k, v, lens, window_left=window, sinks=sinks, return_lse=True)
+    _assert_state_close(got, single, TOL_SINGLE[q.dtype], "CP windowed cache vs single-rank flash_decode")
+    return got
+
+
+def case_cp_cascade(rank, world, *, b, hq, hkv, d, prefix_t, own_t, own_lens):
+    """cp_cascade_decode: every rank holds its contiguous shard of the shared prefix and of each request's
+    own tokens; equals cascade_decode on the unsharded levels (softcap and sinks included)."""
+    from cp_attention import CascadeLevel, cascade_decode
+    from cp_attention.distributed import cp_cascade_decode
+
+    g = torch.Generator().manual_seed(12)
+    q = torch.randn(b, hq, d, generator=g) * 4
+    pk, pv = torch.randn(1, hkv, prefix_t, d, generator=g), torch.randn(1, hkv, prefix_t, d, generator=g)
+    ok, ov = torch.randn(b, hkv, own_t, d, generator=g), torch.randn(b, hkv, own_t, d, generator=g)
+    own_lens = torch.tensor(own_lens)
+    sinks = torch.linspace(-2.0, 2.0, hq)
+    whole = cascade_decode(q, [CascadeLevel(pk, pv), CascadeLevel(ok, ov, own_lens)], logit_softcap=12.0,
+                           sinks=sinks, return_lse=True)
+    pks, pvs, p_lens = shard_kv(pk, pv, None, rank, world, "contiguous")
+    oks, ovs, o_lens = shard_kv(ok, ov, own_lens, rank, world, "contiguous")
+    got = cp_cascade_decode(q, [CascadeLevel(pks, pvs, p_lens), CascadeLevel(oks, ovs, o_lens)],
+                            logit_softcap=12.0, sinks=sinks, return_lse=True)
+    _assert_state_close(got, whole, TOL_SINGLE[q.dtype], "cp_cascade_decode vs cascade_decode")
+    return got
+
+
 def case_mismatch(rank, world, *, what):
     """Rank 1 differs in ``what``: every rank raises ValueError, and the group still works afterwards."""
     b, hq, d, dtype, sm_scale = 2, 8, 32, torch.float32, None
@@ -410,6 +465,30 @@ def test_cache_draft_steps_equal_unsharded(pool, world, case, interpret):
     states = pool(world).run(case_cache_drafts, interpret=interpret, **case)
     for st in states[1:]:
         assert torch.equal(st.o, states[0].o) and torch.equal(st.lse, states[0].lse)
+
+
+@pytest.mark.parametrize("world, placement, interpret", [(2, "contiguous", False), (3, "interleaved", True)],
+                         ids=["W2-contiguous", "W3-interleaved-interp"])
+def test_cp_softcap_and_sinks(pool, world, placement, interpret):
+    states = pool(world).run(case_variants, interpret=interpret, b=3, hq=8, hkv=2, t=120, d=32, lens=[120, 40, 0],
+                             placement=placement)
+    assert all(torch.equal(st.o, states[0].o) and torch.equal(st.lse, states[0].lse) for st in states)
+    assert torch.equal(states[0].lse[2], torch.linspace(-1.0, 3.0, 8))  # an empty sequence: lse = sink
+
+
+@pytest.mark.parametrize("world, window, q_rows, interpret", [(2, 5, 1, False), (3, 11, 4, True), (3, 200, 3, False)],
+                         ids=["W2-window5", "W3-window11-Q4-interp", "W3-window200-Q3"])
+def test_cp_cache_window(pool, world, window, q_rows, interpret):
+    states = pool(world).run(case_cache_window, interpret=interpret, b=3, hq=8, hkv=2, d=32, prefix_t=60,
+                             prefix_lens=[60, 17, 0], window=window, q_rows=q_rows)
+    assert all(torch.equal(st.o, states[0].o) for st in states)
+
+
+@pytest.mark.parametrize("world, interpret", [(2, True), (3, False)], ids=["W2-interp", "W3"])
+def test_cp_cascade_decode(pool, world, interpret):
+    states = pool(world).run(case_cp_cascade, interpret=interpret, b=4, hq=8, hkv=2, d=32, prefix_t=70, own_t=12,
+                             own_lens=[12, 0, 5, 1])
+    assert all(torch.equal(st.o, states[0].o) and torch.equal(st.lse, states[0].lse) for st in states)
 
 
 @pytest.mark.parametrize("world, page", [(2, None), (3, 8)], ids=["W2-dense", "W3-page8"])

@@ -62,19 +62,26 @@ def running_max(m_i, m_x, SCALE: tl.constexpr):
 
 
 @triton.jit
-def split_range(SEQ_LENS, stride_sl, i_seq, i_s, T_MAX, TILES_PER_SPLIT, BLOCK_N: tl.constexpr,
-                HAS_SEQ_LENS: tl.constexpr):
-    """The keys of split ``i_s`` of sequence ``i_seq``: ``[t_start, t_end)`` with splits of
-    ``CHUNK = TILES_PER_SPLIT * BLOCK_N`` tokens, cut at the sequence's length (read from
-    ``SEQ_LENS + i_seq * stride_sl`` and clamped to ``[0, T_MAX]``, or ``T_MAX``). Returns
-    ``(seq_len, chunk, t_start, t_end)``; ``t_end <= t_start`` is an empty split."""
+def seq_length(SEQ_LENS, stride_sl, i_seq, T_MAX, HAS_SEQ_LENS: tl.constexpr):
+    """The length of sequence ``i_seq``: read from ``SEQ_LENS + i_seq * stride_sl`` and clamped to ``[0,
+    T_MAX]``, or ``T_MAX``."""
     if HAS_SEQ_LENS:
         seq_len = tl.load(SEQ_LENS + i_seq * stride_sl).to(tl.int32)
-        seq_len = tl.minimum(tl.maximum(seq_len, 0), T_MAX)
+        return tl.minimum(tl.maximum(seq_len, 0), T_MAX)
     else:
-        seq_len = T_MAX
+        return T_MAX
+
+
+@triton.jit
+def split_range(SEQ_LENS, stride_sl, i_seq, i_s, T_MAX, TILES_PER_SPLIT, BLOCK_N: tl.constexpr,
+                HAS_SEQ_LENS: tl.constexpr, base):
+    """The keys of split ``i_s`` of sequence ``i_seq``: ``[t_start, t_end)`` with splits of
+    ``CHUNK = TILES_PER_SPLIT * BLOCK_N`` tokens from position ``base`` on, cut at the sequence's length
+    (:func:`_seq_len`). Returns ``(seq_len, chunk, t_start, t_end)``; ``t_end <= t_start`` is an empty
+    split."""
+    seq_len = seq_length(SEQ_LENS, stride_sl, i_seq, T_MAX, HAS_SEQ_LENS)
     chunk = TILES_PER_SPLIT * BLOCK_N
-    t_start = i_s * chunk
+    t_start = base + i_s * chunk
     t_end = tl.minimum(t_start + chunk, seq_len)
     return seq_len, chunk, t_start, t_end
 
@@ -111,17 +118,19 @@ def pages_of(p_bt, stride_btp, o_t, m_t, num_pages, PAGE_SIZE: tl.constexpr):
 
 
 @triton.jit
-def attend_tiles(b_q, row_lim, p_k, p_v, stride_kt, stride_vt, p_bt, stride_btp, stride_kp, stride_vp, num_pages,
-                 t_start, t_end, qk_scale, o_d, m_d,
+def attend_tiles(b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt, p_bt, stride_btp, stride_kp, stride_vp,
+                 num_pages, t_start, t_end, qk_scale, cap, o_d, m_d,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                 IS_PAGED: tl.constexpr, HAS_ROW_LIM: tl.constexpr,
+                 IS_PAGED: tl.constexpr, HAS_ROW_LO: tl.constexpr, HAS_ROW_HI: tl.constexpr, SOFTCAP: tl.constexpr,
                  INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """Level 1: the query rows ``b_q [BLOCK_M, BLOCK_D]`` attend to the keys ``[t_start, t_end)`` of one KV
     head, ``BLOCK_N`` keys per tile through ``tl.dot``, with the online softmax. In a dense cache key ``t``
     is at ``p_k + t * stride_kt + o_d``; in a page pool (``IS_PAGED``) at ``p_k + page * stride_kp + (t %
     PAGE_SIZE) * stride_kt + o_d`` with ``page`` from the block-table row ``p_bt`` (values likewise). With
-    ``HAS_ROW_LIM``, row ``m`` sees only the keys ``t < row_lim[m]`` (the causal rule of multi-row
-    queries). ``qk_scale`` is the score scale times ``log2(e)``. Returns the normalised state ``(o
+    ``HAS_ROW_HI``, row ``m`` sees only the keys ``t < row_hi[m]`` (the causal rule of multi-row queries);
+    with ``HAS_ROW_LO``, only ``t >= row_lo[m]`` (a sliding window). Scores: ``qk_scale * q.k`` (the score
+    scale times ``log2(e)``), or with ``SOFTCAP`` ``cap * tanh(qk_scale * q.k)`` (then ``qk_scale`` is the
+    score scale over the cap and ``cap`` the cap times ``log2(e)``). Returns the normalised state ``(o
     [BLOCK_M, BLOCK_D] fp32, lse [BLOCK_M] natural log)``; a row that sees no key gets the empty state.
     Keys outside the range are never loaded (a cache may hold garbage there).
     """
@@ -132,25 +141,27 @@ def attend_tiles(b_q, row_lim, p_k, p_v, stride_kt, stride_vt, p_bt, stride_btp,
     if INTERPRET:  # Note [Loops under the interpreter]
         t0 = t_start
         while t0 < t_end:
-            m_i, l_i, r_i, acc = attend_tile(m_i, l_i, r_i, acc, b_q, row_lim, p_k, p_v, stride_kt, stride_vt, p_bt,
-                                             stride_btp, stride_kp, stride_vp, num_pages, t0, t_end, qk_scale, o_d,
-                                             m_d, BLOCK_N, PAGE_SIZE, IS_PAGED, HAS_ROW_LIM, INPUT_PRECISION, UPCAST)
+            m_i, l_i, r_i, acc = attend_tile(m_i, l_i, r_i, acc, b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt,
+                                             p_bt, stride_btp, stride_kp, stride_vp, num_pages, t0, t_end, qk_scale,
+                                             cap, o_d, m_d, BLOCK_N, PAGE_SIZE, IS_PAGED, HAS_ROW_LO, HAS_ROW_HI,
+                                             SOFTCAP, INPUT_PRECISION, UPCAST)
             t0 += BLOCK_N
     else:
         for t0 in range(t_start, t_end, BLOCK_N):
-            m_i, l_i, r_i, acc = attend_tile(m_i, l_i, r_i, acc, b_q, row_lim, p_k, p_v, stride_kt, stride_vt, p_bt,
-                                             stride_btp, stride_kp, stride_vp, num_pages, t0, t_end, qk_scale, o_d,
-                                             m_d, BLOCK_N, PAGE_SIZE, IS_PAGED, HAS_ROW_LIM, INPUT_PRECISION, UPCAST)
+            m_i, l_i, r_i, acc = attend_tile(m_i, l_i, r_i, acc, b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt,
+                                             p_bt, stride_btp, stride_kp, stride_vp, num_pages, t0, t_end, qk_scale,
+                                             cap, o_d, m_d, BLOCK_N, PAGE_SIZE, IS_PAGED, HAS_ROW_LO, HAS_ROW_HI,
+                                             SOFTCAP, INPUT_PRECISION, UPCAST)
     o, _ = finalize(m_i, r_i, acc, LN2)
     _, lse = finalize(m_i, l_i, acc, LN2)
     return o, lse
 
 
 @triton.jit
-def attend_tile(m_i, l_i, r_i, acc, b_q, row_lim, p_k, p_v, stride_kt, stride_vt, p_bt, stride_btp, stride_kp,
-                stride_vp, num_pages, t0, t_end, qk_scale, o_d, m_d,
-                BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, IS_PAGED: tl.constexpr, HAS_ROW_LIM: tl.constexpr,
-                INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def attend_tile(m_i, l_i, r_i, acc, b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt, p_bt, stride_btp, stride_kp,
+                stride_vp, num_pages, t0, t_end, qk_scale, cap, o_d, m_d,
+                BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, IS_PAGED: tl.constexpr, HAS_ROW_LO: tl.constexpr,
+                HAS_ROW_HI: tl.constexpr, SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """One step of :func:`attend_tiles`: fold the keys ``[t0, min(t0 + BLOCK_N, t_end))``."""
     o_t = t0 + tl.arange(0, BLOCK_N)
     m_t = o_t < t_end
@@ -166,10 +177,14 @@ def attend_tile(m_i, l_i, r_i, acc, b_q, row_lim, p_k, p_v, stride_kt, stride_vt
         o_v = o_t64 * stride_vt
     b_k = tl.load(p_k + o_k[:, None] + o_d[None, :], mask=m_td, other=0.0).to(b_q.dtype)  # FP8: dequantised
     b_s = dot(b_q, tl.trans(b_k), None, INPUT_PRECISION, UPCAST) * qk_scale
-    if HAS_ROW_LIM:
-        b_s = tl.where(m_t[None, :] & (o_t[None, :] < row_lim[:, None]), b_s, float("-inf"))
-    else:
-        b_s = tl.where(m_t[None, :], b_s, float("-inf"))
+    if SOFTCAP:  # cap * tanh(x), tanh(x) = 1 - 2 / (1 + e^{2x}): exact limits +-1 for large |x|
+        b_s = cap * (1.0 - 2.0 / (1.0 + tl.exp2(b_s * (2.0 * LOG2E))))
+    m_ts = m_t[None, :]
+    if HAS_ROW_HI:
+        m_ts = m_ts & (o_t[None, :] < row_hi[:, None])
+    if HAS_ROW_LO:
+        m_ts = m_ts & (o_t[None, :] >= row_lo[:, None])
+    b_s = tl.where(m_ts, b_s, float("-inf"))
     m_i, m_ref, alpha = running_max(m_i, tl.max(b_s, 1), 1.0)
     b_v = tl.load(p_v + o_v[:, None] + o_d[None, :], mask=m_td, other=0.0).to(b_q.dtype)
     p = tl.exp2(b_s - m_ref[:, None])
@@ -178,6 +193,16 @@ def attend_tile(m_i, l_i, r_i, acc, b_q, row_lim, p_k, p_v, stride_kt, stride_vt
     r_i = r_i * alpha + tl.sum(p.to(tl.float32), 1)
     acc = dot(p, b_v, acc * alpha[:, None], INPUT_PRECISION, UPCAST)
     return m_i, l_i, r_i, acc
+
+
+@triton.jit
+def add_sink(o, lse, sink):
+    """``(o, lse) ⊕ (0, sink)``: one extra logit per row in the softmax denominator, with no value (attention
+    sinks). A row that saw no key gets ``o = 0``, ``lse = sink``."""
+    m = tl.maximum(lse, sink)
+    w = tl.exp2((lse - m) * LOG2E)
+    total = w + tl.exp2((sink - m) * LOG2E)
+    return o * (w / total)[:, None], m + tl.log2(total) * LN2
 
 
 @triton.jit

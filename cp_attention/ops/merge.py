@@ -1,18 +1,20 @@
-"""Triton kernel for ``merge_states``: ⊕ over the leading dim of ``N`` attention states."""
+"""Triton kernel for ``merge_states``: ⊕ over the leading dim of ``N`` attention states (and, for a final
+merge, the attention sinks)."""
 import triton
 import triton.language as tl
 
 from .._dispatch import next_pow2
 from ._launch import launch
-from ._state import merge_tile
+from ._state import add_sink, merge_tile
 
 
 @triton.jit
 def _merge_states_kernel(
-    O, LSE, O_OUT, LSE_OUT,
-    N, M,
-    stride_on, stride_om, stride_ln, stride_lm, stride_oom, stride_lom,
+    O, LSE, SINKS, O_OUT, LSE_OUT,
+    N, M, N_HEADS,
+    stride_on, stride_om, stride_ln, stride_lm, stride_oom, stride_lom, stride_sink,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     i_m = tl.program_id(0).to(tl.int64) * BLOCK_M
     o_r = tl.arange(0, BLOCK_M)
@@ -21,16 +23,19 @@ def _merge_states_kernel(
     m_d = o_d < HEAD_DIM
     b_o, b_lse = merge_tile(LSE + i_m * stride_lm, O + i_m * stride_om, N, stride_ln, stride_lm, stride_on,
                             stride_om, o_r, m_r, o_d, m_d, BLOCK_S, BLOCK_M, BLOCK_D, "")
+    if HAS_SINKS:  # row m is query head m % N_HEADS: its sink joins once, in this final merge
+        b_o, b_lse = add_sink(b_o, b_lse, tl.load(SINKS + ((i_m + o_r) % N_HEADS) * stride_sink, mask=m_r, other=0.0))
     p_out = O_OUT + (i_m + o_r)[:, None] * stride_oom + o_d[None, :]
     tl.store(p_out, b_o.to(O_OUT.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
     tl.store(LSE_OUT + (i_m + o_r) * stride_lom, b_lse, mask=m_r)
 
 
-def merge_states_into(o, lse, o_out, lse_out) -> None:
+def merge_states_into(o, lse, o_out, lse_out, sinks=None) -> None:
     """Launch the merge kernel: ``o [N, M, D]`` (unit stride in D), ``lse [N, M]`` float32 natural log,
     into ``o_out [M, D]`` (any float dtype, unit stride in D) and ``lse_out [M]`` float32 natural log, any
-    strides. Each program merges ``BLOCK_M`` rows, ``BLOCK_S`` states per load. Inputs are validated by
-    :func:`cp_attention.state.merge_states`.
+    strides. Each program merges ``BLOCK_M`` rows, ``BLOCK_S`` states per load. ``sinks [H]`` float32: row
+    ``m`` is query head ``m % H``, whose sink logit joins the merge once. Inputs are validated by the
+    callers (:func:`cp_attention.state.merge_states`, the cascade and context-parallel merges).
     """
     n, m, d = o.shape
     if m == 0:
@@ -38,21 +43,24 @@ def merge_states_into(o, lse, o_out, lse_out) -> None:
     block_d = next_pow2(d)
     block_s = min(16, next_pow2(n))
     block_m = max(1, min(8, 4096 // (block_s * block_d)))
+    has_sinks = sinks is not None
     launch(
         _merge_states_kernel, (-(-m // block_m),),
-        (o, lse, o_out, lse_out, n, m,
-         o.stride(0), o.stride(1), lse.stride(0), lse.stride(1), o_out.stride(0), lse_out.stride(0)),
-        dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_S=block_s, BLOCK_D=block_d),
+        (o, lse, sinks if has_sinks else lse, o_out, lse_out, n, m, sinks.shape[0] if has_sinks else 1,
+         o.stride(0), o.stride(1), lse.stride(0), lse.stride(1), o_out.stride(0), lse_out.stride(0),
+         sinks.stride(0) if has_sinks else 0),
+        dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_S=block_s, BLOCK_D=block_d, HAS_SINKS=has_sinks),
         num_warps=4 if block_m * block_s * block_d >= 2048 else 1,
     )
 
 
-# A realistic sm_90 compile of this file's kernel, checked on the CPU by tests/test_aot.py.
+# Realistic sm_90 compiles of this file's kernel, checked on the CPU by tests/test_aot.py.
 AOT_SPECS = [
     {
         "kernel": _merge_states_kernel,
-        "signature": {"O": "*bf16", "LSE": "*fp32", "O_OUT": "*bf16", "LSE_OUT": "*fp32"},
-        "constexprs": {"HEAD_DIM": 128, "BLOCK_M": 2, "BLOCK_S": 16, "BLOCK_D": 128},
+        "signature": {"O": "*bf16", "LSE": "*fp32", "SINKS": "*fp32", "O_OUT": "*bf16", "LSE_OUT": "*fp32"},
+        "constexprs": {"HEAD_DIM": 128, "BLOCK_M": 2, "BLOCK_S": 16, "BLOCK_D": 128, "HAS_SINKS": sinks},
         "options": {"num_warps": 4},
     }
+    for sinks in (False, True)
 ]

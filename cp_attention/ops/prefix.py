@@ -31,16 +31,17 @@ is written, so the workspace needs no initialisation.
 import triton
 import triton.language as tl
 
+from .. import _constants
 from .._dispatch import next_pow2
 from ._dot import dot_flags
 from ._launch import launch
-from ._state import LOG2E, attend_tiles, kv_bases, kv_scales, split_range
+from ._state import LN2, LOG2E, attend_tiles, kv_bases, kv_scales, split_range
 
 
 @triton.jit
 def _prefix_kernel(
     Q, K, V, SEQ_LENS, BLOCK_TABLE, PERM, TILES, K_SCALE, V_SCALE, O_PART, LSE_PART,
-    sm_scale, k_scale, v_scale, T_MAX, TILES_PER_SPLIT, N_ROWS, NUM_PAGES,
+    sm_scale, k_scale, v_scale, cap, T_MAX, TILES_PER_SPLIT, N_ROWS, NUM_PAGES,
     stride_sl, stride_btb, stride_btp, stride_qb, stride_qq, stride_qh,
     stride_ks, stride_kh, stride_kt,
     stride_vs, stride_vh, stride_vt,
@@ -48,7 +49,7 @@ def _prefix_kernel(
     GROUP_SIZE: tl.constexpr, Q_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_SEQ_LENS: tl.constexpr, HAS_SEGMENTS: tl.constexpr, IS_PAGED: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    KV_SCALE: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    SOFTCAP: tl.constexpr, KV_SCALE: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     RPR: tl.constexpr = Q_ROWS * GROUP_SIZE  # rows per request and KV head
     i_t = tl.program_id(0)
@@ -66,7 +67,7 @@ def _prefix_kernel(
         row0 = i_t * BLOCK_M
         n_rows = N_ROWS - row0
     seq_len, chunk, t_start, t_end = split_range(SEQ_LENS, stride_sl, i_seg, i_s, T_MAX, TILES_PER_SPLIT,
-                                                 BLOCK_N, HAS_SEQ_LENS)
+                                                 BLOCK_N, HAS_SEQ_LENS, 0)
     t_end = tl.where(n_rows > 0, t_end, t_start)  # a padding tile reads nothing
 
     o_m = tl.arange(0, BLOCK_M)
@@ -84,16 +85,20 @@ def _prefix_kernel(
 
     p_q = Q + o_req[:, None] * stride_qb + o_q[:, None] * stride_qq + o_hq[:, None] * stride_qh + o_d[None, :]
     b_q = tl.load(p_q, mask=m_md, other=0.0)
-    qk_scale = sm_scale * LOG2E
+    if SOFTCAP:  # scores cap * tanh(sm_scale * q.k / cap): the kernel takes cap * log2(e)
+        qk_scale = sm_scale / (cap * LN2)
+    else:
+        qk_scale = sm_scale * LOG2E
     if KV_SCALE != 0:  # FP8 segments: k_scale folds into the score scale, v_scale into o
         ks, vs = kv_scales(K_SCALE, V_SCALE, k_scale, v_scale, i_h64, stride_ksh, stride_vsh, KV_SCALE)
         qk_scale = qk_scale * ks
     row_lim = seq_len - Q_ROWS + 1 + o_q.to(tl.int32)  # the causal rule, when IS_CAUSAL
 
     p_k, p_v = kv_bases(K, V, i_seg, i_h64, stride_ks, stride_kh, stride_vs, stride_vh, IS_PAGED)
-    b_o, b_lse = attend_tiles(b_q, row_lim, p_k, p_v, stride_kt, stride_vt, BLOCK_TABLE + i_seg * stride_btb,
-                              stride_btp, stride_ks, stride_vs, NUM_PAGES, t_start, t_end, qk_scale, o_d, m_d,
-                              BLOCK_M, BLOCK_N, BLOCK_D, PAGE_SIZE, IS_PAGED, IS_CAUSAL, INPUT_PRECISION, UPCAST)
+    b_o, b_lse = attend_tiles(b_q, row_lim, row_lim, p_k, p_v, stride_kt, stride_vt, BLOCK_TABLE + i_seg * stride_btb,
+                              stride_btp, stride_ks, stride_vs, NUM_PAGES, t_start, t_end, qk_scale, cap, o_d, m_d,
+                              BLOCK_M, BLOCK_N, BLOCK_D, PAGE_SIZE, IS_PAGED, False, IS_CAUSAL, SOFTCAP,
+                              INPUT_PRECISION, UPCAST)
     if KV_SCALE != 0:
         b_o = b_o * vs
 
@@ -106,27 +111,28 @@ def _prefix_kernel(
 
 # Realistic sm_90 compiles of this file's kernel (bf16, D = 128, Hq/Hkv = 4), checked by tests/test_aot.py:
 # one segment read by all, dense; segments with ids and lengths; paged segments with 4 causal rows; paged FP8
-# segments with per-head scales.
+# segments with per-head scales and a logit softcap.
 _PTRS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "SEQ_LENS": "*i32", "BLOCK_TABLE": "*i32", "PERM": "*i64",
          "TILES": "*i32", "K_SCALE": "*fp32", "V_SCALE": "*fp32", "O_PART": "*fp32", "LSE_PART": "*fp32",
-         "sm_scale": "fp32", "k_scale": "fp32", "v_scale": "fp32"}
+         "sm_scale": "fp32", "k_scale": "fp32", "v_scale": "fp32", "cap": "fp32"}
 AOT_SPECS = [
     {
         "kernel": _prefix_kernel,
         "signature": dict(_PTRS, K=f"*{kv}", V=f"*{kv}"),
         "constexprs": dict(GROUP_SIZE=4, Q_ROWS=q_rows, HEAD_DIM=128, PAGE_SIZE=page, BLOCK_M=128, BLOCK_N=64,
                            BLOCK_D=128, HAS_SEQ_LENS=has_seq_lens, HAS_SEGMENTS=has_segments, IS_PAGED=page > 1,
-                           IS_CAUSAL=q_rows > 1, KV_SCALE=0 if kv == "bf16" else 2, INPUT_PRECISION="tf32",
-                           UPCAST=False),
+                           IS_CAUSAL=q_rows > 1, SOFTCAP=softcap, KV_SCALE=0 if kv == "bf16" else 2,
+                           INPUT_PRECISION="tf32", UPCAST=False),
         "options": {"num_warps": 8, "num_stages": 3},
     }
-    for has_seq_lens, has_segments, page, q_rows, kv in ((False, False, 1, 1, "bf16"), (True, True, 1, 1, "bf16"),
-                                                         (True, True, 16, 4, "bf16"), (True, True, 16, 1, "fp8e4nv"))
+    for has_seq_lens, has_segments, page, q_rows, kv, softcap in (
+        (False, False, 1, 1, "bf16", False), (True, True, 1, 1, "bf16", False), (True, True, 16, 4, "bf16", False),
+        (True, True, 16, 1, "fp8e4nv", True))
 ]
 
 
 def prefix_attention(q, k, v, seq_lens, block_table, perm, tiles, o_part, lse_part, *, sm_scale, plan,
-                     kv_layout="HND", causal=False, k_scale=None, v_scale=None, kv_scale=0):
+                     kv_layout="HND", causal=False, k_scale=None, v_scale=None, kv_scale=0, logit_softcap=None):
     """Launch the shared-segment kernel; inputs were validated by :func:`cp_attention.cascade_decode`.
 
     ``q [B, Hq, D]`` or ``[B, Q, Hq, D]``; ``k``/``v``: segments ``[S, Hkv, T, D]`` (``kv_layout="HND"``) or
@@ -135,7 +141,8 @@ def prefix_attention(q, k, v, seq_lens, block_table, perm, tiles, o_part, lse_pa
     position -> request) and ``tiles [n_tiles, 3]`` int32, or both ``None`` when the level has one
     segment read by every request; ``plan`` a :class:`cp_attention.heuristics.PrefixPlan`; ``causal``: the
     causal rule of multi-row queries on this level; FP8 segments: ``k_scale``/``v_scale`` floats
-    (``kv_scale`` 1) or 0-d/``[Hkv]`` float32 tensors (``kv_scale`` 2). Writes ``o_part [num_splits, B * Q * Hq, D]`` float32
+    (``kv_scale`` 1) or 0-d/``[Hkv]`` float32 tensors (``kv_scale`` 2); ``logit_softcap``: scores ``c *
+    tanh(s / c)``. Writes ``o_part [num_splits, B * Q * Hq, D]`` float32
     and ``lse_part [num_splits, B * Q * Hq]`` float32 (natural log), unit stride in D.
     """
     batch, hq, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
@@ -161,13 +168,15 @@ def prefix_attention(q, k, v, seq_lens, block_table, perm, tiles, o_part, lse_pa
          perm if has_segments else q, tiles if has_segments else q, k_scale if tensors else q,
          v_scale if tensors else q, o_part, lse_part,
          float(sm_scale), float(k_scale) if kv_scale == 1 else 1.0, float(v_scale) if kv_scale == 1 else 1.0,
-         t_max, plan.tiles_per_split, batch * q_rows * (hq // hkv), k.shape[0] if paged else 0,
+         float(logit_softcap) * _constants.LOG2E if logit_softcap else 1.0, t_max, plan.tiles_per_split,
+         batch * q_rows * (hq // hkv), k.shape[0] if paged else 0,
          seq_lens.stride(0) if seq_lens is not None else 0,
          *(block_table.stride() if paged else (0, 0)), *q_strides,
          *ks, *vs, o_part.stride(0), o_part.stride(1), lse_part.stride(0), *scale_strides),
         dict(GROUP_SIZE=hq // hkv, Q_ROWS=q_rows, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=next_pow2(head_dim),
              HAS_SEQ_LENS=seq_lens is not None, HAS_SEGMENTS=has_segments, IS_PAGED=paged,
-             IS_CAUSAL=causal and q_rows > 1, KV_SCALE=kv_scale, **dot_flags(q.dtype)),
+             IS_CAUSAL=causal and q_rows > 1, SOFTCAP=bool(logit_softcap), KV_SCALE=kv_scale,
+             **dot_flags(q.dtype)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

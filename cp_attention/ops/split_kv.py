@@ -34,7 +34,8 @@ import triton
 import triton.language as tl
 
 from ._dot import dot_flags
-from ._state import LOG2E, attend_tiles, kv_bases, kv_scales, merge_tile, split_range
+from ._state import (LN2, LOG2E, add_sink, attend_tiles, kv_bases, kv_scales, merge_tile, seq_length,
+                     split_range)
 from .._dispatch import next_pow2
 
 
@@ -50,19 +51,20 @@ def row_heads(o_r, i_h64, GROUP_SIZE: tl.constexpr, Q_ROWS: tl.constexpr):
 
 @triton.jit
 def _split_kv_kernel(
-    Q, K, V, SEQ_LENS, BLOCK_TABLE, ROW_LIMITS, K_SCALE, V_SCALE, O, LSE, WORK, COUNTER,
-    sm_scale, k_scale, v_scale, T_MAX, TILES_PER_SPLIT, NUM_SPLITS, HKV, NUM_PAGES,
+    Q, K, V, SEQ_LENS, BLOCK_TABLE, ROW_LIMITS, K_SCALE, V_SCALE, SINKS, O, LSE, WORK, COUNTER,
+    sm_scale, k_scale, v_scale, cap, T_MAX, TILES_PER_SPLIT, NUM_SPLITS, HKV, NUM_PAGES, WINDOW,
     stride_qb, stride_qq, stride_qh,
     stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt,
     stride_ob, stride_oq, stride_oh,
     stride_lb, stride_lq, stride_lh,
-    stride_sl, stride_btb, stride_btp, stride_rlb, stride_rlq, stride_ksh, stride_vsh,
+    stride_sl, stride_btb, stride_btp, stride_rlb, stride_rlq, stride_rlx, stride_ksh, stride_vsh, stride_sink,
     GROUP_SIZE: tl.constexpr, Q_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
     HAS_SEQ_LENS: tl.constexpr, IS_PAGED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_ROW_LIMITS: tl.constexpr,
-    KV_SCALE: tl.constexpr, IS_SPLIT: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, KV_SCALE: tl.constexpr,
+    IS_SPLIT: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     ROWS: tl.constexpr = Q_ROWS * GROUP_SIZE  # query rows per KV head
     N_RT: tl.constexpr = (ROWS + BLOCK_H - 1) // BLOCK_H  # row tiles
@@ -77,8 +79,16 @@ def _split_kv_kernel(
     i_b64 = i_b.to(tl.int64)
     i_h64 = i_h.to(tl.int64)
 
+    # The splits tile the keys any row may see, from the lowest one: 0, the start of row 0's window, or
+    # row 0's given lower limit.
+    if HAS_ROW_LIMITS:
+        base = tl.maximum(tl.load(ROW_LIMITS + i_b64 * stride_rlb), 0)
+    elif HAS_WINDOW:
+        base = tl.maximum(seq_length(SEQ_LENS, stride_sl, i_b64, T_MAX, HAS_SEQ_LENS) - Q_ROWS - WINDOW, 0)
+    else:
+        base = 0
     seq_len, chunk, t_start, t_end = split_range(SEQ_LENS, stride_sl, i_b64, i_s, T_MAX, TILES_PER_SPLIT,
-                                                 BLOCK_N, HAS_SEQ_LENS)
+                                                 BLOCK_N, HAS_SEQ_LENS, base)
 
     o_r = i_rt * BLOCK_H + tl.arange(0, BLOCK_H)  # query rows of this tile
     o_d = tl.arange(0, BLOCK_D)
@@ -89,21 +99,26 @@ def _split_kv_kernel(
 
     b_q = tl.load(Q + i_b64 * stride_qb + (o_q * stride_qq + o_hq * stride_qh)[:, None] + o_d[None, :],
                   mask=m_rd, other=0.0)
-    if IS_CAUSAL:  # the drafts are the last Q_ROWS keys: row i sees positions < seq_len - Q_ROWS + 1 + i
-        row_lim = seq_len - Q_ROWS + 1 + o_q.to(tl.int32)
-    elif HAS_ROW_LIMITS:
-        row_lim = tl.load(ROW_LIMITS + i_b64 * stride_rlb + o_q * stride_rlq, mask=m_r, other=0)
+    # Row i is the query at position seq_len - Q_ROWS + i: it sees positions < seq_len - Q_ROWS + 1 + i
+    # (the drafts are causal among themselves) and, in a window, >= seq_len - Q_ROWS + i - WINDOW.
+    row_hi = seq_len - Q_ROWS + 1 + o_q.to(tl.int32)
+    row_lo = row_hi - 1 - WINDOW
+    if HAS_ROW_LIMITS:  # [B, Q, 2]: (first, end) of the positions each row sees, on this shard
+        p_rl = ROW_LIMITS + i_b64 * stride_rlb + o_q * stride_rlq
+        row_lo = tl.load(p_rl, mask=m_r, other=0)
+        row_hi = tl.load(p_rl + stride_rlx, mask=m_r, other=0)
+    if SOFTCAP:  # scores cap * tanh(sm_scale * q.k / cap): the kernel takes cap * log2(e)
+        qk_scale = sm_scale / (cap * LN2)
     else:
-        row_lim = seq_len
-    qk_scale = sm_scale * LOG2E
+        qk_scale = sm_scale * LOG2E
     if KV_SCALE != 0:  # FP8 cache: k_scale folds into the score scale, v_scale into o
         ks, vs = kv_scales(K_SCALE, V_SCALE, k_scale, v_scale, i_h64, stride_ksh, stride_vsh, KV_SCALE)
         qk_scale = qk_scale * ks
     p_k, p_v = kv_bases(K, V, i_b64, i_h64, stride_kb, stride_kh, stride_vb, stride_vh, IS_PAGED)
-    b_o, b_lse = attend_tiles(b_q, row_lim, p_k, p_v, stride_kt, stride_vt, BLOCK_TABLE + i_b64 * stride_btb,
-                              stride_btp, stride_kb, stride_vb, NUM_PAGES, t_start, t_end, qk_scale, o_d, m_d,
-                              BLOCK_H, BLOCK_N, BLOCK_D, PAGE_SIZE, IS_PAGED, IS_CAUSAL or HAS_ROW_LIMITS,
-                              INPUT_PRECISION, UPCAST)
+    b_o, b_lse = attend_tiles(b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt, BLOCK_TABLE + i_b64 * stride_btb,
+                              stride_btp, stride_kb, stride_vb, NUM_PAGES, t_start, t_end, qk_scale, cap, o_d, m_d,
+                              BLOCK_H, BLOCK_N, BLOCK_D, PAGE_SIZE, IS_PAGED, HAS_WINDOW or HAS_ROW_LIMITS,
+                              IS_CAUSAL or HAS_ROW_LIMITS, SOFTCAP, INPUT_PRECISION, UPCAST)
     if KV_SCALE != 0:
         b_o = b_o * vs
 
@@ -121,7 +136,10 @@ def _split_kv_kernel(
         if ticket == NUM_SPLITS - 1:
             # Last program of this row tile: merge the non-empty splits, BLOCK_G rows at a time.
             first = i_p.to(tl.int64) * NUM_SPLITS * ROWS_T
-            n_valid = tl.cdiv(seq_len, chunk)
+            if HAS_WINDOW or HAS_ROW_LIMITS:
+                n_valid = tl.cdiv(tl.maximum(seq_len - base, 0), chunk)
+            else:
+                n_valid = tl.cdiv(seq_len, chunk)
             for c in tl.static_range(0, (ROWS_T + BLOCK_G - 1) // BLOCK_G):
                 o_g = c * BLOCK_G + tl.arange(0, BLOCK_G)
                 o_rg = i_rt * BLOCK_H + o_g
@@ -130,11 +148,15 @@ def _split_kv_kernel(
                                           ROWS_T * HEAD_DIM, HEAD_DIM, o_g, m_g, o_d, m_d,
                                           BLOCK_S, BLOCK_G, BLOCK_D, ".cg")
                 o_qg, o_hg = row_heads(o_rg, i_h64, GROUP_SIZE, Q_ROWS)
+                if HAS_SINKS:  # the sink joins once, after every split
+                    b_om, b_lsem = add_sink(b_om, b_lsem, tl.load(SINKS + o_hg * stride_sink, mask=m_g, other=0.0))
                 p_o = O + i_b64 * stride_ob + (o_qg * stride_oq + o_hg * stride_oh)[:, None] + o_d[None, :]
                 tl.store(p_o, b_om.to(O.dtype.element_ty), mask=m_g[:, None] & m_d[None, :])
                 tl.store(LSE + i_b64 * stride_lb + o_qg * stride_lq + o_hg * stride_lh, b_lsem, mask=m_g)
             tl.atomic_xchg(COUNTER + i_p, 0)
     else:
+        if HAS_SINKS:
+            b_o, b_lse = add_sink(b_o, b_lse, tl.load(SINKS + o_hq * stride_sink, mask=m_r, other=0.0))
         p_o = O + i_b64 * stride_ob + (o_q * stride_oq + o_hq * stride_oh)[:, None] + o_d[None, :]
         tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_rd)
         tl.store(LSE + i_b64 * stride_lb + o_q * stride_lq + o_hq * stride_lh, b_lse, mask=m_r)
@@ -171,18 +193,20 @@ def combine_block_s(num_splits: int, block_g: int, block_d: int) -> int:
 
 
 def split_kv_launch_config(dtype, group: int, q_rows: int, head_dim: int, plan, *, has_seq_lens: bool,
-                           page_size: int, causal: bool, row_limits: bool, kv_scale: int = 0):
+                           page_size: int, causal: bool, row_limits: bool, kv_scale: int = 0, window: bool = False,
+                           softcap: bool = False, sinks: bool = False):
     """``(constexprs, launch options, row tiling)`` of the split-KV kernel for a
     :class:`~cp_attention.heuristics.DecodePlan`; ``page_size`` 0 for a dense cache.
 
     The kernel's arguments, in order: ``q [B, Q, Hq, D]`` (unit stride in D); ``k``, ``v`` (a dense cache
     read as ``[B, Hkv, T, D]``, or page pools read as ``[pages, Hkv, page_size, D]``, through their
     strides, unit stride in D; FP8 with ``kv_scale`` 1 (scalar scales) or 2 (scale tensors)); ``seq_lens
-    [B]``, ``block_table [B, max_pages]``, ``row_limits [B, Q]``, the K and V scale tensors (any strides;
-    any tensor when unused); ``o [B, Q, Hq, D]`` (any float dtype, unit stride in D) and ``lse [B, Q, Hq]``
-    float32 natural log, any strides; the fp32 workspace (:func:`workspace_floats` elements) and ``B *
-    Hkv * n_rt`` zeroed int32 tickets (left zeroed); ``sm_scale``, ``k_scale``, ``v_scale``; then
-    ``T_max``, the plan's tiles per split and splits, ``Hkv``, the pool's pages and the strides.
+    [B]``, ``block_table [B, max_pages]``, ``row_limits [B, Q, 2]`` (each row's first and end position on
+    this cache), the K and V scale tensors, ``sinks [Hq]`` (any strides; any tensor when unused); ``o [B, Q,
+    Hq, D]`` (any float dtype, unit stride in D) and ``lse [B, Q, Hq]`` float32 natural log, any strides;
+    the fp32 workspace (:func:`workspace_floats` elements) and ``B * Hkv * n_rt`` zeroed int32 tickets
+    (left zeroed); ``sm_scale``, ``k_scale``, ``v_scale``, the softcap times ``log2(e)``; then ``T_max``,
+    the plan's tiles per split and splits, ``Hkv``, the pool's pages, the window and the strides.
     """
     tiling = row_tiling(q_rows, group)
     block_d = next_pow2(head_dim)
@@ -190,33 +214,38 @@ def split_kv_launch_config(dtype, group: int, q_rows: int, head_dim: int, plan, 
                       BLOCK_H=tiling.block_h, BLOCK_N=plan.config.block_n, BLOCK_D=block_d, BLOCK_G=tiling.block_g,
                       BLOCK_S=combine_block_s(plan.num_splits, tiling.block_g, block_d),
                       HAS_SEQ_LENS=has_seq_lens, IS_PAGED=page_size > 0, IS_CAUSAL=causal, HAS_ROW_LIMITS=row_limits,
-                      KV_SCALE=kv_scale, IS_SPLIT=plan.num_splits > 1, **dot_flags(dtype))
+                      HAS_WINDOW=window, SOFTCAP=softcap, HAS_SINKS=sinks, KV_SCALE=kv_scale,
+                      IS_SPLIT=plan.num_splits > 1, **dot_flags(dtype))
     return constexprs, dict(num_warps=plan.config.num_warps, num_stages=plan.config.num_stages), tiling
 
 
 def _aot_spec(group, q_rows, split, page_size=0, causal=False, row_limits=False, block_n=128, kv="bf16",
-              kv_scale=0):
+              kv_scale=0, window=False, softcap=False, sinks=False):
     tiling = row_tiling(q_rows, group)
     return {
         "kernel": _split_kv_kernel,
         "signature": {"Q": "*bf16", "K": f"*{kv}", "V": f"*{kv}", "SEQ_LENS": "*i32", "BLOCK_TABLE": "*i32",
-                      "ROW_LIMITS": "*i32", "K_SCALE": "*fp32", "V_SCALE": "*fp32", "O": "*bf16", "LSE": "*fp32",
-                      "WORK": "*fp32", "COUNTER": "*i32", "sm_scale": "fp32", "k_scale": "fp32",
-                      "v_scale": "fp32"},
+                      "ROW_LIMITS": "*i32", "K_SCALE": "*fp32", "V_SCALE": "*fp32", "SINKS": "*fp32", "O": "*bf16",
+                      "LSE": "*fp32", "WORK": "*fp32", "COUNTER": "*i32", "sm_scale": "fp32", "k_scale": "fp32",
+                      "v_scale": "fp32", "cap": "fp32"},
         "constexprs": dict(GROUP_SIZE=group, Q_ROWS=q_rows, HEAD_DIM=128, PAGE_SIZE=max(page_size, 1),
                            BLOCK_H=tiling.block_h, BLOCK_N=block_n, BLOCK_D=128, BLOCK_G=tiling.block_g,
                            BLOCK_S=combine_block_s(16, tiling.block_g, 128), HAS_SEQ_LENS=True,
                            IS_PAGED=page_size > 0, IS_CAUSAL=causal, HAS_ROW_LIMITS=row_limits,
-                           KV_SCALE=kv_scale, IS_SPLIT=split, INPUT_PRECISION="tf32", UPCAST=False),
+                           HAS_WINDOW=window, SOFTCAP=softcap, HAS_SINKS=sinks, KV_SCALE=kv_scale, IS_SPLIT=split,
+                           INPUT_PRECISION="tf32", UPCAST=False),
         "options": {"num_warps": 4, "num_stages": 3},
     }
 
 
 # Realistic sm_90 compiles of this file's kernel, checked on the CPU by tests/test_aot.py: dense single-row
 # (GQA 4 split, GQA 5, GQA 8 split), paged (page 16 and page 64), 4 causal rows, 16 rows x GQA 8 with
-# row limits (two row tiles), and FP8 caches (e4m3 with scalar scales; e5m2 paged with per-head scales).
+# row limits (two row tiles), FP8 caches (e4m3 with scalar scales; e5m2 paged with per-head scales), and the
+# variants: a window with sinks (split and not), a softcap on 4 causal rows.
 AOT_SPECS = [_aot_spec(4, 1, True), _aot_spec(5, 1, False), _aot_spec(8, 1, True),
              _aot_spec(4, 1, True, page_size=16), _aot_spec(4, 1, False, page_size=64),
              _aot_spec(4, 4, True, causal=True), _aot_spec(8, 16, True, page_size=16, row_limits=True),
              _aot_spec(4, 1, True, kv="fp8e4nv", kv_scale=1),
-             _aot_spec(4, 4, False, page_size=64, causal=True, kv="fp8e5", kv_scale=2)]
+             _aot_spec(4, 4, False, page_size=64, causal=True, kv="fp8e5", kv_scale=2),
+             _aot_spec(4, 1, True, window=True, sinks=True), _aot_spec(4, 1, False, window=True, sinks=True),
+             _aot_spec(4, 4, True, causal=True, softcap=True)]

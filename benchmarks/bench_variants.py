@@ -1,0 +1,80 @@
+"""Sliding windows, logit softcaps and attention sinks on one GPU: what each costs over the plain kernel.
+
+bf16, Hq=32, Hkv=8, D=128, every sequence at the full context T; µs per call with 20 calls in one CUDA graph
+(benchmarks/_harness.py). Sections:
+
+* ``window``: B=1 with a 4k window at T = 128k and 1M, against a plain decode over 4k + 1 tokens (the bar:
+  within 10%, since a windowed call should read only the window);
+* ``softcap-sinks``: B=1 T=128k and B=64 T=8k, plain against a softcap of 30, sinks, and both (the bar:
+  at most 5% over plain).
+
+    PYTHONPATH=. python3 benchmarks/bench_variants.py
+
+Writes benchmarks/results/bench_variants.json.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks._harness import measure, table, tqdm, write_json  # noqa: E402
+from cp_attention import flash_decode  # noqa: E402
+
+HQ, HKV, D, DT = 32, 8, 128, torch.bfloat16
+WINDOW = 4096
+
+
+def inputs(b, t):
+    gen = torch.Generator("cuda").manual_seed(0)
+    q = torch.randn(b, HQ, D, generator=gen, device="cuda", dtype=DT)
+    k = torch.randn(b, HKV, t, D, generator=gen, device="cuda", dtype=DT)
+    v = torch.randn(b, HKV, t, D, generator=gen, device="cuda", dtype=DT)
+    return q, k, v
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sections", nargs="+", default=["window", "softcap-sinks"], choices=["window", "softcap-sinks"])
+    args = ap.parse_args()
+    rows = []
+    sinks = torch.linspace(-1.0, 1.0, HQ, device="cuda")
+    if "window" in args.sections:
+        q, k, v = inputs(1, WINDOW + 1)
+        plain = {"section": "window", "B": 1, "T": WINDOW + 1, "what": "plain"}
+        measure(plain, "cp", lambda: (lambda: flash_decode(q, k, v)), where="plain 4k")
+        rows.append(plain)
+        for t in (131072, 1048576):
+            q, k, v = inputs(1, t)
+            row = {"section": "window", "B": 1, "T": t, "what": f"window {WINDOW}"}
+            ref = flash_decode(q[:, :, :], k[:, :, -WINDOW - 1:], v[:, :, -WINDOW - 1:])
+            measure(row, "cp", lambda: functools.partial(flash_decode, q, k, v, window_left=WINDOW), ref, f"T={t}")
+            row["vs_plain_window"] = row.get("cp_graph_us", float("nan")) / plain["cp_graph_us"]
+            rows.append(row)
+            del q, k, v
+            torch.cuda.empty_cache()
+    if "softcap-sinks" in args.sections:
+        for b, t in ((1, 131072), (64, 8192)):
+            q, k, v = inputs(b, t)
+            base = None
+            for what, kw in (("plain", {}), ("softcap 30", {"logit_softcap": 30.0}), ("sinks", {"sinks": sinks}),
+                             ("softcap + sinks", {"logit_softcap": 30.0, "sinks": sinks})):
+                row = {"section": "softcap-sinks", "B": b, "T": t, "what": what}
+                measure(row, "cp", lambda kw=kw: functools.partial(flash_decode, q, k, v, **kw), where=f"{b}x{t} {what}")
+                base = base or row.get("cp_graph_us")
+                row["vs_plain"] = row.get("cp_graph_us", float("nan")) / base
+                rows.append(row)
+            del q, k, v
+            torch.cuda.empty_cache()
+    path = write_json("bench_variants", {"rows": rows})
+    print(f"wrote {path}")
+    print(table(rows, ["section", "B", "T", "what", "cp_graph_us", "cp_call_us", "vs_plain_window", "vs_plain"]))
+
+
+if __name__ == "__main__":
+    main()
