@@ -22,9 +22,9 @@ import torch
 from . import _dispatch
 from ._constants import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, LOG2E
 from ._dispatch import use_triton
-from ._validate import (check_bool, check_head_dim, check_index_tensor, check_kv_layout, check_kv_scales,
+from ._validate import (check_bool, check_head_dim, check_index_tensor, check_int, check_kv_layout, check_kv_scales,
                         check_sm_scale, check_tensor, check_unit_stride, check_variants)
-from .heuristics import DecodePlan, decode_plan, num_sms
+from .heuristics import DecodePlan, decode_plan, deterministic_plan, num_sms
 from .state import AttentionState
 
 __all__ = ["flash_decode"]
@@ -143,6 +143,7 @@ class _Prepared(NamedTuple):
 
     plan: DecodePlan
     launcher: object
+    combine: object  # the deterministic splits' combine (Launcher, int args), or None
     int_args: tuple  # the kernel's arguments after sm_scale
     default_scale: float
     lse_shape: tuple
@@ -176,16 +177,21 @@ class _Variants(NamedTuple):
     sinks: bool = False
     row_limits: bool = False
     span: int | None = None
+    split_size: int | None = None
+    export: bool = False  # write the deterministic splits' states for an outside combine (context parallel)
 
 
 def _prepare(q, k, v, seq_lens, block_table, row_limits, sinks, scales, num_splits, kv_layout, plan, o, lse,
              geo: CacheGeometry, var: _Variants) -> _Prepared:
     from .ops._launch import Launcher
-    from .ops.split_kv import _split_kv_kernel, split_kv_launch_config, workspace_floats
+    from .ops.split_kv import (_combine_kernel, _split_kv_kernel, combine_launch_config, export_floats,
+                               split_kv_launch_config, workspace_floats)
 
     b, hq, d = q.shape[0], q.shape[-2], q.shape[-1]
     multi = q.dim() == 4
-    if plan is None:
+    if var.split_size is not None:
+        plan = deterministic_plan(geo.t_max, d, q.dtype, var.split_size)
+    elif plan is None:
         # A window (or a context-parallel rank's share of one) bounds the positions a call reads: the
         # splits tile that span from its first position, not the whole cache.
         span = geo.t_max if var.window_left is None else min(geo.t_max, var.window_left + geo.q_rows)
@@ -198,10 +204,11 @@ def _prepare(q, k, v, seq_lens, block_table, row_limits, sinks, scales, num_spli
     constexprs, options, tiling = split_kv_launch_config(
         q.dtype, hq // geo.hkv, geo.q_rows, d, plan, has_seq_lens=seq_lens is not None, page_size=geo.page_size,
         causal=geo.q_rows > 1 and row_limits is None, row_limits=row_limits is not None, kv_scale=geo.kv_scale,
-        window=var.window_left is not None and row_limits is None, softcap=var.softcap, sinks=sinks is not None)
+        window=var.window_left is not None and row_limits is None, softcap=var.softcap, sinks=sinks is not None,
+        export=plan.deterministic)
     grid = (b * geo.hkv * tiling.n_rt, plan.num_splits)
-    launcher = Launcher(_split_kv_kernel, grid, constexprs, device=q.get_device() if q.is_cuda else None,
-                        **options)
+    device = q.get_device() if q.is_cuda else None
+    launcher = Launcher(_split_kv_kernel, grid, constexprs, device=device, **options)
     lse_shape = tuple(q.shape[:-1])
     o_strides = _bqh(o.stride() if o is not None else _contiguous_strides(q.shape), multi)
     lse_strides = _bqh(lse.stride() if lse is not None else _contiguous_strides(lse_shape), multi)
@@ -212,8 +219,14 @@ def _prepare(q, k, v, seq_lens, block_table, row_limits, sinks, scales, num_spli
                 *(row_limits.stride() if row_limits is not None else (0, 0, 0)),
                 *((sc.stride(0) if sc.dim() else 0) if geo.kv_scale == 2 else 0 for sc in scales),
                 sinks.stride(0) if sinks is not None else 0)
-    return _Prepared(plan, launcher, int_args, 1.0 / math.sqrt(d), lse_shape,
-                     workspace_floats(b, geo.hkv, tiling, d, plan.num_splits), b * geo.hkv * tiling.n_rt)
+    combine = None
+    work = workspace_floats(b, geo.hkv, tiling, d, plan.num_splits)
+    if plan.deterministic:
+        work = export_floats(b, geo.hkv, tiling, d, plan.num_splits)
+        c_constexprs, c_options = combine_launch_config(hq // geo.hkv, geo.q_rows, d, sinks is not None)
+        combine = (Launcher(_combine_kernel, (grid[0],), c_constexprs, device=device, **c_options),
+                   (plan.num_splits, geo.hkv, *o_strides, *lse_strides, sinks.stride(0) if sinks is not None else 0))
+    return _Prepared(plan, launcher, combine, int_args, 1.0 / math.sqrt(d), lse_shape, work, b * geo.hkv * tiling.n_rt)
 
 
 class _Scratch:
@@ -275,8 +288,8 @@ def _key(q, k, v, seq_lens, block_table, row_limits, k_scale, v_scale, sinks, nu
 
 
 def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num_splits=None, kv_layout="HND",
-                 k_scale=None, v_scale=None, window_left=None, logit_softcap=None, sinks=None, return_lse=False,
-                 out=None, plan=None, _row_limits=None, _span=None):
+                 split_size=None, k_scale=None, v_scale=None, window_left=None, logit_softcap=None, sinks=None,
+                 return_lse=False, out=None, plan=None, _row_limits=None, _span=None, _export=None):
     """Exact decode attention over a KV cache, dense or paged, for one or a few new tokens per request
     (Flash-Decoding, one launch).
 
@@ -303,6 +316,11 @@ def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num
         sm_scale: score scale (default ``1 / sqrt(D)``).
         num_splits: ``None`` for the tuned policy (decided from shapes and ``T_max``, or the window), or a
             fixed count (``1`` = no split; capped at the number of KV tiles).
+        split_size: ``S`` (int, a multiple of 16): deterministic splits. Every split covers the absolute
+            positions ``[j * S, (j + 1) * S)`` and the splits merge in a fixed order, so a request's output
+            is bitwise identical whatever batch it runs in, whatever the cache capacity and the number of
+            SMs (batch invariance; Note [Deterministic splits] in ``ops/split_kv.py``). Not with
+            ``num_splits``, ``plan`` or ``window_left``. One more launch than the policy's path.
         k_scale, v_scale: required for an FP8 cache (``k``, ``v`` in ``float8_e4m3fn`` or ``float8_e5m2``
             with ``q`` float16 or bfloat16), refused otherwise: positive python floats, 0-d float32 tensors
             or ``[Hkv]`` float32 tensors (per KV head). The key used is ``k.float() * k_scale``, the value
@@ -334,7 +352,8 @@ def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num
     torch.Size([2, 8])
     """
     prep = key = None
-    var = _Variants(window_left, logit_softcap is not None, sinks is not None, _row_limits is not None, _span)
+    var = _Variants(window_left, logit_softcap is not None, sinks is not None, _row_limits is not None, _span,
+                    split_size, _export is not None)
     if q.__class__ is torch.Tensor and q.is_cuda:
         try:
             key = _key(q, k, v, seq_lens, block_table, _row_limits, k_scale, v_scale, sinks, num_splits, kv_layout,
@@ -350,7 +369,10 @@ def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num
                                 k_scale=k_scale, v_scale=v_scale, window_left=window_left,
                                 logit_softcap=logit_softcap, sinks=sinks)
         check_sm_scale(sm_scale)
+        check_split_size(split_size, num_splits=num_splits, plan=plan, window_left=window_left)
         if not use_triton(q):
+            if _export is not None:
+                raise ValueError("the exported states of deterministic splits need the Triton kernels")
             k, v = _dequantize(k, v, k_scale, v_scale, kv_layout, geo.kv_scale)
             return _torch_path(q, k, v, seq_lens, block_table, _row_limits, sm_scale, kv_layout, window_left,
                                logit_softcap, sinks, return_lse, o_out, lse_out)
@@ -393,10 +415,42 @@ def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num
         k_sc = v_sc = q
         ks, vs = float(k_scale), float(v_scale)
     if q.shape[0] > 0:
+        if _export is not None:  # the deterministic splits' states, for a combine elsewhere (context parallel)
+            work = _export
         prep.launcher(q, k, v, q if seq_lens is None else seq_lens, q if block_table is None else block_table,
                       q if _row_limits is None else _row_limits, k_sc, v_sc, q if sinks is None else sinks, o, lse,
                       work, counter, scale, ks, vs, cap, *prep.int_args)
+        if prep.combine is not None and _export is None:
+            combine, c_args = prep.combine
+            combine(work, q if sinks is None else sinks, o, lse, *c_args)
     return AttentionState(o, lse) if return_lse else o
+
+
+def check_split_size(split_size, *, num_splits=None, plan=None, window_left=None) -> None:
+    if split_size is None:
+        return
+    check_int("split_size", split_size, 16)
+    if split_size % 16:
+        raise ValueError(f"split_size must be a multiple of 16, got {split_size}")
+    for name, value in (("num_splits", num_splits), ("plan", plan), ("window_left", window_left)):
+        if value is not None:
+            raise ValueError(f"split_size fixes the splits: {name} must be None with it, got {value!r}")
+
+
+def combine_exported(q, hkv: int, slots, n_slots: int, o, lse, sinks=None) -> None:
+    """Merge ``n_slots`` exported deterministic split states (``slots``, fp32, split-major: several ranks'
+    exports concatenated in rank order) into ``o`` (q's shape) and ``lse`` (``q.shape[:-1]``): the combine
+    that ``flash_decode(split_size=...)`` runs, so the bits are the same (Note [Deterministic splits])."""
+    from .ops._launch import launch
+    from .ops.split_kv import _combine_kernel, combine_launch_config, row_tiling
+
+    b, hq, d = q.shape[0], q.shape[-2], q.shape[-1]
+    q_rows = q.shape[1] if q.dim() == 4 else 1
+    constexprs, options = combine_launch_config(hq // hkv, q_rows, d, sinks is not None)
+    multi = q.dim() == 4
+    launch(_combine_kernel, (b * hkv * row_tiling(q_rows, hq // hkv).n_rt,),
+           (slots, q if sinks is None else sinks, o, lse, n_slots, hkv, *_bqh(o.stride(), multi),
+            *_bqh(lse.stride(), multi), sinks.stride(0) if sinks is not None else 0), constexprs, **options)
 
 
 def _dequantize(k, v, k_scale, v_scale, kv_layout, mode):

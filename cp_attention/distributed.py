@@ -40,7 +40,7 @@ from ._constants import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES
 from ._validate import (check_bool, check_index_tensor, check_int, check_kv_layout, check_kv_scales, check_sm_scale,
                         check_state, check_tensor)
 from .cascade import cascade_decode
-from .decode import check_decode_args, flash_decode
+from .decode import check_decode_args, check_split_size, combine_exported, flash_decode
 from .state import AttentionState, merge_states
 
 __all__ = ["all_gather_states", "merge_across_ranks", "shard_kv", "cp_flash_decode", "cp_cascade_decode", "CPKVCache"]
@@ -203,7 +203,7 @@ def _agree(local_meta, group, what: str) -> None:
         meta = [1, *local_meta()]
     except (ValueError, TypeError) as exc:
         error = exc
-        meta = [0] * 8
+        meta = [0] * 9
     world = dist.get_world_size(group)
     device = _collective_device(group)
     mine = torch.tensor(meta, dtype=torch.int64, device=device)
@@ -215,7 +215,7 @@ def _agree(local_meta, group, what: str) -> None:
     bad = [r for r, row in enumerate(rows) if row[0] == 0]
     if bad:
         raise ValueError(f"{what}: rank(s) {bad} rejected their arguments (see their error)")
-    names = ("B", "Q", "Hq", "D", "dtype", "Hkv", "sm_scale")
+    names = ("B", "Q", "Hq", "D", "dtype", "Hkv", "sm_scale", "split slots")
     codes = {c: str(t).replace("torch.", "") for t, c in _DTYPE_CODES.items()}
 
     def describe(row):
@@ -226,8 +226,8 @@ def _agree(local_meta, group, what: str) -> None:
 
     if any(row != rows[0] for row in rows):
         detail = "; ".join(f"rank {r}: {describe(row)}" for r, row in enumerate(rows))
-        raise ValueError(f"{what}: q (batch, rows, heads, head dim, dtype), the KV heads and sm_scale must match on "
-                         f"every rank, got {detail}")
+        raise ValueError(f"{what}: q (batch, rows, heads, head dim, dtype), the KV heads, sm_scale and (with "
+                         f"split_size) the shards' split slots must match on every rank, got {detail}")
 
 
 def _decode_meta(q, k_shard, v_shard, seq_lens_shard, kwargs, row_limits):
@@ -238,7 +238,19 @@ def _decode_meta(q, k_shard, v_shard, seq_lens_shard, kwargs, row_limits):
                             sinks=kwargs.get("sinks"))
     check_sm_scale(kwargs.get("sm_scale"))
     d = q.shape[-1]
-    return [q.shape[0], geo.q_rows, q.shape[-2], d, _DTYPE_CODES[q.dtype], geo.hkv, _scale_bits(kwargs.get("sm_scale"), d)]
+    return [q.shape[0], geo.q_rows, q.shape[-2], d, _DTYPE_CODES[q.dtype], geo.hkv, _scale_bits(kwargs.get("sm_scale"), d),
+            _split_slots(kwargs.get("split_size"), geo.t_max)]
+
+
+def _split_slots(split_size, t_max) -> int:
+    """Deterministic split slots of a shard: it must hold whole splits (Note [Deterministic splits])."""
+    if split_size is None:
+        return 0
+    check_split_size(split_size)
+    if t_max % split_size:
+        raise ValueError(f"split_size must divide the shard's capacity for deterministic context parallelism "
+                         f"(contiguous shards of whole splits), got split_size={split_size} and capacity {t_max}")
+    return t_max // split_size
 
 
 def _exchange(q, local_into, *, group, return_lse, sinks):
@@ -264,9 +276,31 @@ def _cp_decode(q, k_shard, v_shard, seq_lens_shard, *, group, check_metadata, ro
         _agree(lambda: _decode_meta(q, k_shard, v_shard, seq_lens_shard, kwargs, row_limits), group, "cp_flash_decode")
     return_lse = kwargs.pop("return_lse", False)
     sinks = kwargs.pop("sinks", None)
+    if kwargs.get("split_size") is not None:
+        return _cp_decode_deterministic(q, k_shard, v_shard, seq_lens_shard, group, return_lse, sinks, kwargs)
     return _exchange(q, lambda o, lse: flash_decode(q, k_shard, v_shard, seq_lens_shard, out=AttentionState(o, lse),
                                                     _row_limits=row_limits, _span=span, **kwargs),
                      group=group, return_lse=return_lse, sinks=sinks)
+
+
+def _cp_decode_deterministic(q, k_shard, v_shard, seq_lens_shard, group, return_lse, sinks, kwargs):
+    """Each rank exports its shard's deterministic split states; one all-gather puts them in global split
+    order; the single-GPU combine merges them: bitwise ``flash_decode(split_size=...)`` on the unsharded
+    cache (Note [Deterministic splits])."""
+    from .ops.split_kv import export_floats, row_tiling
+
+    geo = check_decode_args(q, k_shard, v_shard, seq_lens_shard, block_table=kwargs.get("block_table"),
+                            kv_layout=kwargs.get("kv_layout", "HND"))
+    slots = _split_slots(kwargs["split_size"], geo.t_max)
+    hq, d = q.shape[-2], q.shape[-1]
+    tiling = row_tiling(geo.q_rows, hq // geo.hkv)
+    exported = _dispatch.new_buffer((export_floats(q.shape[0], geo.hkv, tiling, d, slots),), torch.float32, q.device)
+    flash_decode(q, k_shard, v_shard, seq_lens_shard, _export=exported, **kwargs)
+    gathered = _all_gather_packed(exported, group)
+    o = _dispatch.new_buffer(tuple(q.shape), q.dtype, q.device)
+    lse = _dispatch.new_buffer(tuple(q.shape[:-1]), torch.float32, q.device)
+    combine_exported(q, geo.hkv, gathered, dist.get_world_size(group) * slots, o, lse, sinks)
+    return AttentionState(o, lse) if return_lse else o
 
 
 def cp_flash_decode(q, k_shard, v_shard, seq_lens_shard, *, group=None, check_metadata=True,
@@ -285,10 +319,15 @@ def cp_flash_decode(q, k_shard, v_shard, seq_lens_shard, *, group=None, check_me
         check_metadata: all-gather ``(B, Hq, D, dtype, Hkv, sm_scale)`` first and raise ``ValueError`` on
             every rank if they differ or if any rank rejected its arguments (instead of a hang or a wrong
             merge). It syncs with the host: pass ``False`` on the hot path and inside CUDA graphs.
-        **flash_decode_kwargs: ``block_table``, ``sm_scale``, ``num_splits``, ``kv_layout``, ``k_scale``,
-            ``v_scale``, ``logit_softcap``, ``sinks``, ``return_lse`` as in :func:`flash_decode` (``sm_scale``,
-            ``logit_softcap`` and ``sinks`` the same on every rank; ``block_table`` is this rank's; FP8 scales
-            may differ across ranks). The sinks join once, after the merge across ranks.
+        **flash_decode_kwargs: ``block_table``, ``sm_scale``, ``num_splits``, ``split_size``, ``kv_layout``,
+            ``k_scale``, ``v_scale``, ``logit_softcap``, ``sinks``, ``return_lse`` as in :func:`flash_decode`
+            (``sm_scale``, ``logit_softcap`` and ``sinks`` the same on every rank; ``block_table`` is this
+            rank's; FP8 scales may differ across ranks). The sinks join once, after the merge across ranks.
+            With ``split_size=S`` and contiguous shards of the same capacity, a multiple of ``S`` (e.g.
+            :func:`shard_kv` of a cache whose ``T_max`` is a multiple of ``W * S``), the result is bitwise
+            ``flash_decode(..., split_size=S)`` on the unsharded cache, for any world size: every rank
+            exchanges its per-split states and all run the single-GPU combine (Note [Deterministic splits]
+            in ``ops/split_kv.py``).
 
     Returns:
         ``o [B, Hq, D]`` in q's dtype, or ``AttentionState(o, lse [B, Hq] float32, natural log)`` with
@@ -345,7 +384,7 @@ def cp_cascade_decode(q, levels, *, group=None, check_metadata=True, **cascade_k
             hkv = lvl.k.shape[2] if lvl.block_table is not None else lvl.k.shape[1]
             d = q.shape[-1]
             return [q.shape[0], 1, q.shape[-2], d, _DTYPE_CODES[q.dtype], hkv,
-                    _scale_bits(cascade_kwargs.get("sm_scale"), d)]
+                    _scale_bits(cascade_kwargs.get("sm_scale"), d), 0]
 
         _agree(meta, group, "cp_cascade_decode")
     kwargs = dict(cascade_kwargs)

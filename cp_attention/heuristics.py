@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["num_splits", "num_sms", "DecodeConfig", "DecodePlan", "decode_config", "decode_plan",
+__all__ = ["num_splits", "num_sms", "DecodeConfig", "DecodePlan", "decode_config", "decode_plan", "deterministic_plan",
            "PrefixConfig", "PrefixPlan", "prefix_config", "prefix_plan", "REFERENCE_SMS"]
 
 # CPU tensors (the Triton interpreter) are planned as for the H200 the defaults were tuned on, so the
@@ -91,11 +91,14 @@ class DecodeConfig(NamedTuple):
 
 class DecodePlan(NamedTuple):
     """What one :func:`cp_attention.flash_decode` launch runs: the tile config, ``num_splits`` splits of
-    ``tiles_per_split`` tiles each (the last split may be shorter)."""
+    ``tiles_per_split`` tiles each (the last split may be shorter); ``deterministic``: the splits of a
+    fixed ``split_size``, merged by the separate combine (Note [Deterministic splits] in
+    ``ops/split_kv.py``)."""
 
     config: DecodeConfig
     num_splits: int
     tiles_per_split: int
+    deterministic: bool = False
 
 
 def decode_config(head_dim: int, dtype: torch.dtype, t_max: int | None = None) -> DecodeConfig:
@@ -106,6 +109,22 @@ def decode_config(head_dim: int, dtype: torch.dtype, t_max: int | None = None) -
     if head_dim > 128:
         return DecodeConfig(64, 4, 2)
     return DecodeConfig(64, 4, 2) if t_max is not None and t_max <= 512 else DecodeConfig(128, 4, 3)
+
+
+def deterministic_plan(t_max: int, head_dim: int, dtype: torch.dtype, split_size: int) -> DecodePlan:
+    """The plan of ``split_size``: splits ``[j * split_size, (j + 1) * split_size)`` of the cache's
+    capacity, tiles of the tuned config's size or the largest power of two that divides ``split_size``.
+    Independent of the batch and the device, so a request's output is too.
+
+    >>> deterministic_plan(100_000, 128, torch.bfloat16, 4096)
+    DecodePlan(config=DecodeConfig(block_n=128, num_warps=4, num_stages=3), num_splits=25, tiles_per_split=32, deterministic=True)
+    """
+    config = decode_config(head_dim, dtype)
+    block_n = config.block_n
+    while split_size % block_n:
+        block_n //= 2
+    config = config._replace(block_n=block_n)
+    return DecodePlan(config, max(1, math.ceil(t_max / split_size)), split_size // block_n, True)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -361,6 +361,19 @@ def case_cp_cascade(rank, world, *, b, hq, hkv, d, prefix_t, own_t, own_lens):
     return got
 
 
+def case_deterministic(rank, world, *, b, hq, hkv, t, d, lens, split_size, dtype=torch.float32):
+    """cp_flash_decode(split_size=S) over contiguous shards of whole splits is bitwise flash_decode(split_size=S)
+    on the unsharded cache (sinks included)."""
+    q, k, v, seq_lens = _cache(b, hq, hkv, t, d, lens, dtype=dtype, q_gain=5.0)
+    sinks = torch.linspace(-1.0, 1.0, hq)
+    ks, vs, ls = shard_kv(k, v, seq_lens, rank, world, "contiguous")
+    got = cp_flash_decode(q, ks, vs, ls, split_size=split_size, sinks=sinks, return_lse=True)
+    want = flash_decode(q, k, v, seq_lens, split_size=split_size, sinks=sinks, return_lse=True)
+    assert torch.equal(got.o, want.o), (got.o - want.o).abs().max()
+    assert torch.equal(got.lse, want.lse), (got.lse - want.lse).abs().max()
+    return got
+
+
 def case_mismatch(rank, world, *, what):
     """Rank 1 differs in ``what``: every rank raises ValueError, and the group still works afterwards."""
     b, hq, d, dtype, sm_scale = 2, 8, 32, torch.float32, None
@@ -465,6 +478,19 @@ def test_cache_draft_steps_equal_unsharded(pool, world, case, interpret):
     states = pool(world).run(case_cache_drafts, interpret=interpret, **case)
     for st in states[1:]:
         assert torch.equal(st.o, states[0].o) and torch.equal(st.lse, states[0].lse)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4], ids=lambda w: f"W{w}")
+def test_cp_deterministic_splits_are_bitwise_single_gpu(pool, world):
+    """T_max = 384 = 12 splits of 32: whole splits per shard for W in {1, 2, 3, 4}; one empty sequence."""
+    states = pool(world).run(case_deterministic, interpret=True, b=3, hq=8, hkv=2, t=384, d=32, lens=[384, 100, 0],
+                             split_size=32)
+    assert all(torch.equal(st.o, states[0].o) and torch.equal(st.lse, states[0].lse) for st in states)
+
+
+def test_cp_deterministic_bf16(pool):
+    pool(2).run(case_deterministic, interpret=True, b=2, hq=4, hkv=4, t=256, d=64, lens=[256, 61], split_size=64,
+                dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("world, placement, interpret", [(2, "contiguous", False), (3, "interleaved", True)],

@@ -251,3 +251,20 @@ def test_fp8_long_cache_against_the_dequantised_oracle(dtype8):
     ref = attention(q.double(), kd, vd, sl)
     torch.testing.assert_close(got.o.double(), ref.o, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(got.lse.double(), ref.lse, atol=1e-3, rtol=1e-5)
+
+
+def test_deterministic_splits_are_batch_invariant_on_gpu():
+    """split_size: a request's bits do not depend on its batch or its cache's capacity (the policy's splits
+    do, by design)."""
+    torch.manual_seed(5)
+    b, hq, hkv, d, t = 6, 32, 8, 128, 40_960
+    q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b, hkv, t, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(b, hkv, t, d, device="cuda", dtype=torch.bfloat16)
+    sl = torch.tensor([t, 100, 30_000, 0, 4_097, 12_345], device="cuda", dtype=torch.int32)
+    batch = flash_decode(q, k, v, sl, split_size=2048, return_lse=True)
+    alone = flash_decode(q[2:3].contiguous(), k[2:3, :, :32_768].contiguous(), v[2:3, :, :32_768].contiguous(),
+                         sl[2:3], split_size=2048, return_lse=True)
+    assert torch.equal(alone.o, batch.o[2:3]) and torch.equal(alone.lse, batch.lse[2:3])
+    ref = attention(q.double(), k.double(), v.double(), sl)
+    torch.testing.assert_close(batch.o.double(), ref.o, atol=2e-2, rtol=2e-2)

@@ -27,6 +27,18 @@ One launch, no host synchronisation, no value-dependent allocation. The split la
 
 The output ``o``/``lse`` may be any strided view (fp32 slots of a caller's workspace included), which is
 how cascade levels and context-parallel ranks receive unrounded states.
+
+Note [Deterministic splits]
+---------------------------
+With a fixed ``split_size`` the splits cover absolute positions ``[j * split_size, (j + 1) * split_size)``
+(tiles of a size that divides it), independent of the batch, the SM count and the cache capacity. The
+split kernel then exports every split's state (``EXPORT``: split-major slots ``[o (P * ROWS_T, D), lse
+(P * ROWS_T)]``) and ``_combine_kernel`` merges all the slots of a row in slot order with constexprs that
+depend only on the model's shapes (``BLOCK_S`` fixed at its 16-split value). Slots past a sequence's end
+hold the empty state, whose fold is exact (weights of exactly 0 and 1), so a request's output is the
+same bits whatever batch, capacity or GPU it runs on. A context-parallel rank whose contiguous shard holds
+whole splits exports its slots the same way; the all-gather concatenates them in rank order, which is
+global split order, and the same ``_combine_kernel`` merges them: bitwise the single-GPU result.
 """
 from typing import NamedTuple
 
@@ -50,6 +62,29 @@ def row_heads(o_r, i_h64, GROUP_SIZE: tl.constexpr, Q_ROWS: tl.constexpr):
 
 
 @triton.jit
+def combine_rows(p_lse, p_o, n, stride_ls, stride_os, SINKS, O, LSE, i_b64, i_h64, i_rt,
+                 stride_ob, stride_oq, stride_oh, stride_lb, stride_lq, stride_lh, stride_sink, o_d, m_d,
+                 GROUP_SIZE: tl.constexpr, Q_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
+                 ROWS_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
+                 BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr, CACHE: tl.constexpr):
+    """Level 2 for the rows of one row tile: ⊕ of ``n`` states per row (state ``j`` of row ``r`` at ``p_lse
+    + j * stride_ls + r`` and ``p_o + j * stride_os + r * HEAD_DIM``), ``BLOCK_G`` rows at a time, the
+    sinks once, then the output rows in ``O``/``LSE``."""
+    for c in tl.static_range(0, (ROWS_T + BLOCK_G - 1) // BLOCK_G):
+        o_g = c * BLOCK_G + tl.arange(0, BLOCK_G)
+        o_rg = i_rt * BLOCK_H + o_g
+        m_g = (o_g < ROWS_T) & (o_rg < ROWS)
+        b_o, b_lse = merge_tile(p_lse, p_o, n, stride_ls, 1, stride_os, HEAD_DIM, o_g, m_g, o_d, m_d, BLOCK_S, BLOCK_G,
+                                BLOCK_D, CACHE)
+        o_q, o_h = row_heads(o_rg, i_h64, GROUP_SIZE, Q_ROWS)
+        if HAS_SINKS:  # the sink joins once, after every split
+            b_o, b_lse = add_sink(b_o, b_lse, tl.load(SINKS + o_h * stride_sink, mask=m_g, other=0.0))
+        p_out = O + i_b64 * stride_ob + (o_q * stride_oq + o_h * stride_oh)[:, None] + o_d[None, :]
+        tl.store(p_out, b_o.to(O.dtype.element_ty), mask=m_g[:, None] & m_d[None, :])
+        tl.store(LSE + i_b64 * stride_lb + o_q * stride_lq + o_h * stride_lh, b_lse, mask=m_g)
+
+
+@triton.jit
 def _split_kv_kernel(
     Q, K, V, SEQ_LENS, BLOCK_TABLE, ROW_LIMITS, K_SCALE, V_SCALE, SINKS, O, LSE, WORK, COUNTER,
     sm_scale, k_scale, v_scale, cap, T_MAX, TILES_PER_SPLIT, NUM_SPLITS, HKV, NUM_PAGES, WINDOW,
@@ -64,7 +99,7 @@ def _split_kv_kernel(
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
     HAS_SEQ_LENS: tl.constexpr, IS_PAGED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_ROW_LIMITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, KV_SCALE: tl.constexpr,
-    IS_SPLIT: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    IS_SPLIT: tl.constexpr, EXPORT: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     ROWS: tl.constexpr = Q_ROWS * GROUP_SIZE  # query rows per KV head
     N_RT: tl.constexpr = (ROWS + BLOCK_H - 1) // BLOCK_H  # row tiles
@@ -122,7 +157,17 @@ def _split_kv_kernel(
     if KV_SCALE != 0:
         b_o = b_o * vs
 
-    if IS_SPLIT:
+    if EXPORT:
+        # Split-major states for _combine_kernel: slot i_s holds o [P * ROWS_T, HEAD_DIM] then lse
+        # [P * ROWS_T] (Note [Deterministic splits]).
+        n_rows = tl.num_programs(0).to(tl.int64) * ROWS_T
+        o_rt = tl.arange(0, BLOCK_H)
+        m_rt = (o_rt < ROWS_T) & m_r
+        p_slot = WORK + i_s.to(tl.int64) * n_rows * (HEAD_DIM + 1)
+        row0 = i_p.to(tl.int64) * ROWS_T
+        tl.store(p_slot + (row0 + o_rt)[:, None] * HEAD_DIM + o_d[None, :], b_o, mask=m_rt[:, None] & m_d[None, :])
+        tl.store(p_slot + n_rows * HEAD_DIM + row0 + o_rt, b_lse, mask=m_rt)
+    elif IS_SPLIT:
         # Workspace: o [P, S, ROWS_T, HEAD_DIM], then lse [P, S, ROWS_T].
         n_states = tl.num_programs(0).to(tl.int64) * NUM_SPLITS * ROWS_T
         WORK_LSE = WORK + n_states * HEAD_DIM
@@ -140,19 +185,10 @@ def _split_kv_kernel(
                 n_valid = tl.cdiv(tl.maximum(seq_len - base, 0), chunk)
             else:
                 n_valid = tl.cdiv(seq_len, chunk)
-            for c in tl.static_range(0, (ROWS_T + BLOCK_G - 1) // BLOCK_G):
-                o_g = c * BLOCK_G + tl.arange(0, BLOCK_G)
-                o_rg = i_rt * BLOCK_H + o_g
-                m_g = (o_g < ROWS_T) & (o_rg < ROWS)
-                b_om, b_lsem = merge_tile(WORK_LSE + first, WORK + first * HEAD_DIM, n_valid, ROWS_T, 1,
-                                          ROWS_T * HEAD_DIM, HEAD_DIM, o_g, m_g, o_d, m_d,
-                                          BLOCK_S, BLOCK_G, BLOCK_D, ".cg")
-                o_qg, o_hg = row_heads(o_rg, i_h64, GROUP_SIZE, Q_ROWS)
-                if HAS_SINKS:  # the sink joins once, after every split
-                    b_om, b_lsem = add_sink(b_om, b_lsem, tl.load(SINKS + o_hg * stride_sink, mask=m_g, other=0.0))
-                p_o = O + i_b64 * stride_ob + (o_qg * stride_oq + o_hg * stride_oh)[:, None] + o_d[None, :]
-                tl.store(p_o, b_om.to(O.dtype.element_ty), mask=m_g[:, None] & m_d[None, :])
-                tl.store(LSE + i_b64 * stride_lb + o_qg * stride_lq + o_hg * stride_lh, b_lsem, mask=m_g)
+            combine_rows(WORK_LSE + first, WORK + first * HEAD_DIM, n_valid, ROWS_T, ROWS_T * HEAD_DIM, SINKS, O, LSE,
+                         i_b64, i_h64, i_rt, stride_ob, stride_oq, stride_oh, stride_lb, stride_lq, stride_lh,
+                         stride_sink, o_d, m_d, GROUP_SIZE, Q_ROWS, HEAD_DIM, ROWS, ROWS_T, BLOCK_H, BLOCK_G, BLOCK_S,
+                         BLOCK_D, HAS_SINKS, ".cg")
             tl.atomic_xchg(COUNTER + i_p, 0)
     else:
         if HAS_SINKS:
@@ -160,6 +196,36 @@ def _split_kv_kernel(
         p_o = O + i_b64 * stride_ob + (o_q * stride_oq + o_hq * stride_oh)[:, None] + o_d[None, :]
         tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_rd)
         tl.store(LSE + i_b64 * stride_lb + o_q * stride_lq + o_hq * stride_lh, b_lse, mask=m_r)
+
+
+@triton.jit
+def _combine_kernel(
+    WORK, SINKS, O, LSE,
+    N_SLOTS, HKV,
+    stride_ob, stride_oq, stride_oh, stride_lb, stride_lq, stride_lh, stride_sink,
+    GROUP_SIZE: tl.constexpr, Q_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+):
+    """Level 2 of the deterministic splits: program ``i_p`` (a row tile of a (sequence, KV head), as in
+    ``_split_kv_kernel``) merges its rows' states in the ``N_SLOTS`` split-major slots of ``WORK`` in slot
+    order (Note [Deterministic splits])."""
+    ROWS: tl.constexpr = Q_ROWS * GROUP_SIZE
+    N_RT: tl.constexpr = (ROWS + BLOCK_H - 1) // BLOCK_H
+    ROWS_T: tl.constexpr = BLOCK_H if ROWS > BLOCK_H else ROWS
+    i_p = tl.program_id(0)
+    i_bh = i_p // N_RT
+    i_rt = i_p % N_RT
+    i_b64 = (i_bh // HKV).to(tl.int64)
+    i_h64 = (i_bh % HKV).to(tl.int64)
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < HEAD_DIM
+    n_rows = tl.num_programs(0).to(tl.int64) * ROWS_T
+    row0 = i_p.to(tl.int64) * ROWS_T
+    combine_rows(WORK + n_rows * HEAD_DIM + row0, WORK + row0 * HEAD_DIM, N_SLOTS, n_rows * (HEAD_DIM + 1),
+                 n_rows * (HEAD_DIM + 1), SINKS, O, LSE, i_b64, i_h64, i_rt, stride_ob, stride_oq, stride_oh,
+                 stride_lb, stride_lq, stride_lh, stride_sink, o_d, m_d, GROUP_SIZE, Q_ROWS, HEAD_DIM, ROWS, ROWS_T,
+                 BLOCK_H, BLOCK_G, BLOCK_S, BLOCK_D, HAS_SINKS, "")
 
 
 class RowTiling(NamedTuple):
@@ -194,7 +260,7 @@ def combine_block_s(num_splits: int, block_g: int, block_d: int) -> int:
 
 def split_kv_launch_config(dtype, group: int, q_rows: int, head_dim: int, plan, *, has_seq_lens: bool,
                            page_size: int, causal: bool, row_limits: bool, kv_scale: int = 0, window: bool = False,
-                           softcap: bool = False, sinks: bool = False):
+                           softcap: bool = False, sinks: bool = False, export: bool = False):
     """``(constexprs, launch options, row tiling)`` of the split-KV kernel for a
     :class:`~cp_attention.heuristics.DecodePlan`; ``page_size`` 0 for a dense cache.
 
@@ -214,13 +280,29 @@ def split_kv_launch_config(dtype, group: int, q_rows: int, head_dim: int, plan, 
                       BLOCK_H=tiling.block_h, BLOCK_N=plan.config.block_n, BLOCK_D=block_d, BLOCK_G=tiling.block_g,
                       BLOCK_S=combine_block_s(plan.num_splits, tiling.block_g, block_d),
                       HAS_SEQ_LENS=has_seq_lens, IS_PAGED=page_size > 0, IS_CAUSAL=causal, HAS_ROW_LIMITS=row_limits,
-                      HAS_WINDOW=window, SOFTCAP=softcap, HAS_SINKS=sinks, KV_SCALE=kv_scale,
-                      IS_SPLIT=plan.num_splits > 1, **dot_flags(dtype))
+                      HAS_WINDOW=window, SOFTCAP=softcap, HAS_SINKS=sinks and not export, KV_SCALE=kv_scale,
+                      IS_SPLIT=plan.num_splits > 1 and not export, EXPORT=export, **dot_flags(dtype))
     return constexprs, dict(num_warps=plan.config.num_warps, num_stages=plan.config.num_stages), tiling
 
 
+def combine_launch_config(group: int, q_rows: int, head_dim: int, sinks: bool):
+    """``(constexprs, launch options)`` of ``_combine_kernel``: only the model's shapes decide them (Note
+    [Deterministic splits]). Its arguments: the exported slots (fp32), ``sinks [Hq]`` (any tensor when
+    unused), ``o``, ``lse`` as the split kernel's; the number of slots, ``Hkv`` and the strides."""
+    tiling = row_tiling(q_rows, group)
+    block_d = next_pow2(head_dim)
+    return (dict(GROUP_SIZE=group, Q_ROWS=q_rows, HEAD_DIM=head_dim, BLOCK_H=tiling.block_h, BLOCK_D=block_d,
+                 BLOCK_G=tiling.block_g, BLOCK_S=combine_block_s(16, tiling.block_g, block_d), HAS_SINKS=sinks),
+            dict(num_warps=4))
+
+
+def export_floats(batch: int, hkv: int, tiling: RowTiling, head_dim: int, num_splits: int) -> int:
+    """fp32 elements of the exported split states (Note [Deterministic splits])."""
+    return num_splits * batch * hkv * tiling.n_rt * tiling.rows_t * (head_dim + 1)
+
+
 def _aot_spec(group, q_rows, split, page_size=0, causal=False, row_limits=False, block_n=128, kv="bf16",
-              kv_scale=0, window=False, softcap=False, sinks=False):
+              kv_scale=0, window=False, softcap=False, sinks=False, export=False):
     tiling = row_tiling(q_rows, group)
     return {
         "kernel": _split_kv_kernel,
@@ -233,7 +315,7 @@ def _aot_spec(group, q_rows, split, page_size=0, causal=False, row_limits=False,
                            BLOCK_S=combine_block_s(16, tiling.block_g, 128), HAS_SEQ_LENS=True,
                            IS_PAGED=page_size > 0, IS_CAUSAL=causal, HAS_ROW_LIMITS=row_limits,
                            HAS_WINDOW=window, SOFTCAP=softcap, HAS_SINKS=sinks, KV_SCALE=kv_scale, IS_SPLIT=split,
-                           INPUT_PRECISION="tf32", UPCAST=False),
+                           EXPORT=export, INPUT_PRECISION="tf32", UPCAST=False),
         "options": {"num_warps": 4, "num_stages": 3},
     }
 
@@ -241,11 +323,15 @@ def _aot_spec(group, q_rows, split, page_size=0, causal=False, row_limits=False,
 # Realistic sm_90 compiles of this file's kernel, checked on the CPU by tests/test_aot.py: dense single-row
 # (GQA 4 split, GQA 5, GQA 8 split), paged (page 16 and page 64), 4 causal rows, 16 rows x GQA 8 with
 # row limits (two row tiles), FP8 caches (e4m3 with scalar scales; e5m2 paged with per-head scales), and the
-# variants: a window with sinks (split and not), a softcap on 4 causal rows.
+# variants: a window with sinks (split and not), a softcap on 4 causal rows; the exporting split kernel and
+# the combine of the deterministic splits.
 AOT_SPECS = [_aot_spec(4, 1, True), _aot_spec(5, 1, False), _aot_spec(8, 1, True),
              _aot_spec(4, 1, True, page_size=16), _aot_spec(4, 1, False, page_size=64),
              _aot_spec(4, 4, True, causal=True), _aot_spec(8, 16, True, page_size=16, row_limits=True),
              _aot_spec(4, 1, True, kv="fp8e4nv", kv_scale=1),
              _aot_spec(4, 4, False, page_size=64, causal=True, kv="fp8e5", kv_scale=2),
              _aot_spec(4, 1, True, window=True, sinks=True), _aot_spec(4, 1, False, window=True, sinks=True),
-             _aot_spec(4, 4, True, causal=True, softcap=True)]
+             _aot_spec(4, 4, True, causal=True, softcap=True), _aot_spec(4, 1, False, export=True, block_n=64),
+             {"kernel": _combine_kernel,
+              "signature": {"WORK": "*fp32", "SINKS": "*fp32", "O": "*bf16", "LSE": "*fp32"},
+              "constexprs": combine_launch_config(4, 1, 128, True)[0], "options": {"num_warps": 4}}]
