@@ -23,7 +23,7 @@ Edge cases, one rule each:
 
 FP8 caches: K/V tiles are loaded as stored and converted to the query's dtype in registers (exact: every
 e4m3 and e5m2 value is a bf16 and an fp16 value); the kernels fold ``k_scale`` into the score scale and
-multiply the normalised ``o`` by ``v_scale`` (see :func:`kv_scales`).
+multiply the normalised ``o`` by ``v_scale`` (see :func:`score_scales`).
 
 Rounding (level 1): the weights ``p`` are rounded to the value dtype for the ``p @ v`` product on the
 tensor cores, and ``o`` is normalised by the sum of the *rounded* weights, so it is a convex combination
@@ -97,16 +97,27 @@ def kv_bases(K, V, i_seq64, i_h64, stride_ks, stride_kh, stride_vs, stride_vh, I
 
 
 @triton.jit
-def kv_scales(K_SCALE, V_SCALE, k_scale, v_scale, i_h64, stride_ksh, stride_vsh, KV_SCALE: tl.constexpr):
-    """The dequantisation scales of KV head ``i_h64``: 1 (``KV_SCALE == 0``: no FP8), the scalar arguments
-    (``1``) or loads from ``K_SCALE + i_h * stride_ksh`` (``2``: 0-d or ``[Hkv]`` tensors, stride 0 for
-    0-d)."""
-    if KV_SCALE == 2:
-        return tl.load(K_SCALE + i_h64 * stride_ksh), tl.load(V_SCALE + i_h64 * stride_vsh)
-    elif KV_SCALE == 1:
-        return k_scale, v_scale
+def score_scales(sm_scale, cap, K_SCALE, V_SCALE, k_scale, v_scale, i_h64, stride_ksh, stride_vsh,
+                 SOFTCAP: tl.constexpr, KV_SCALE: tl.constexpr):
+    """``(qk_scale, v_scale)`` of KV head ``i_h64``: the factor of ``q.k`` that gives base-2 scores
+    (``sm_scale * log2(e)``; with ``SOFTCAP`` the argument of ``cap * tanh``, ``sm_scale / (cap * ln 2)``,
+    where ``cap`` comes pre-multiplied by log2(e)) times the FP8 key scale, and the FP8 value scale that
+    multiplies the output. The FP8 scales are 1 (``KV_SCALE == 0``: no FP8), the scalar arguments (``1``)
+    or loads from ``K_SCALE + i_h * stride_ksh`` (``2``: 0-d or ``[Hkv]`` tensors, stride 0 for 0-d)."""
+    if SOFTCAP:
+        qk_scale = sm_scale / (cap * LN2)
     else:
-        return 1.0, 1.0
+        qk_scale = sm_scale * LOG2E
+    if KV_SCALE == 2:
+        ks = tl.load(K_SCALE + i_h64 * stride_ksh)
+        vs = tl.load(V_SCALE + i_h64 * stride_vsh)
+        qk_scale = qk_scale * ks
+    elif KV_SCALE == 1:
+        vs = v_scale
+        qk_scale = qk_scale * k_scale
+    else:
+        vs = 1.0
+    return qk_scale, vs
 
 
 @triton.jit

@@ -35,7 +35,7 @@ from .. import _constants
 from .._dispatch import next_pow2
 from ._dot import dot_flags
 from ._launch import launch
-from ._state import LN2, LOG2E, attend_tiles, kv_bases, kv_scales, split_range
+from ._state import attend_tiles, kv_bases, score_scales, split_range
 
 
 @triton.jit
@@ -85,13 +85,9 @@ def _prefix_kernel(
 
     p_q = Q + o_req[:, None] * stride_qb + o_q[:, None] * stride_qq + o_hq[:, None] * stride_qh + o_d[None, :]
     b_q = tl.load(p_q, mask=m_md, other=0.0)
-    if SOFTCAP:  # scores cap * tanh(sm_scale * q.k / cap): the kernel takes cap * log2(e)
-        qk_scale = sm_scale / (cap * LN2)
-    else:
-        qk_scale = sm_scale * LOG2E
-    if KV_SCALE != 0:  # FP8 segments: k_scale folds into the score scale, v_scale into o
-        ks, vs = kv_scales(K_SCALE, V_SCALE, k_scale, v_scale, i_h64, stride_ksh, stride_vsh, KV_SCALE)
-        qk_scale = qk_scale * ks
+    # FP8 segments: k_scale folds into the score scale, v_scale into o
+    qk_scale, vs = score_scales(sm_scale, cap, K_SCALE, V_SCALE, k_scale, v_scale, i_h64, stride_ksh, stride_vsh,
+                                SOFTCAP, KV_SCALE)
     row_lim = seq_len - Q_ROWS + 1 + o_q.to(tl.int32)  # the causal rule, when IS_CAUSAL
 
     p_k, p_v = kv_bases(K, V, i_seg, i_h64, stride_ks, stride_kh, stride_vs, stride_vh, IS_PAGED)
