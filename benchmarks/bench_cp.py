@@ -27,7 +27,6 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on 
 os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
 
 import argparse  # noqa: E402
-import datetime  # noqa: E402
 import math  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -42,7 +41,8 @@ from benchmarks._harness import (  # noqa: E402
     DTYPES, GRAPH_CALLS, RESULTS, bench_call, capture, max_abs_diff, table, tqdm, write_json,
 )
 from cp_attention import AttentionState, CascadeLevel, cascade_decode, flash_decode  # noqa: E402
-from cp_attention.distributed import cp_cascade_decode, cp_flash_decode, merge_across_ranks, shard_kv  # noqa: E402
+from cp_attention.distributed import (cp_cascade_decode, cp_flash_decode, init_distributed,  # noqa: E402
+                                      merge_across_ranks, shard_kv)
 
 PARTS = ("local", "merge", "cp")
 
@@ -274,13 +274,7 @@ def plot(rows, args, world, path):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.device == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(seconds=args.timeout_s))
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout_s))
+    device = init_distributed(args.device, args.timeout_s)
     rank, world = dist.get_rank(), dist.get_world_size()
     timer = Timer(device, args.rep_ms)
     shapes = [(b, t) for b in args.batches for t in args.contexts]

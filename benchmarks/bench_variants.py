@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._harness import measure, table, tqdm, write_json  # noqa: E402
+from benchmarks._harness import measure, table, write_json  # noqa: E402
 from cp_attention import flash_decode  # noqa: E402
 
 HQ, HKV, D, DT = 32, 8, 128, torch.bfloat16

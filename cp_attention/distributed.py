@@ -28,8 +28,10 @@ shard (``p < seq_len``) are a prefix of the shard, so packing is a strided copy.
 """
 from __future__ import annotations
 
+import datetime
 import math
 import numbers
+import os
 import struct
 
 import torch
@@ -43,7 +45,8 @@ from .cascade import cascade_decode
 from .decode import check_decode_args, check_split_size, combine_exported, flash_decode
 from .state import AttentionState, merge_states
 
-__all__ = ["all_gather_states", "merge_across_ranks", "shard_kv", "cp_flash_decode", "cp_cascade_decode", "CPKVCache"]
+__all__ = ["all_gather_states", "merge_across_ranks", "shard_kv", "cp_flash_decode", "cp_cascade_decode", "CPKVCache",
+           "init_distributed"]
 
 PLACEMENTS = ("contiguous", "interleaved")
 _DTYPE_CODES = {dtype: i + 1 for i, dtype in enumerate(FLOAT_DTYPES)}
@@ -180,6 +183,26 @@ def shard_kv(k, v, seq_lens, rank, world_size, placement="contiguous", *, kv_lay
         shard.narrow(t_dim, 0, part.shape[t_dim]).copy_(part)
         shards.append(shard)
     return shards[0], shards[1], lens.to(seq_lens.dtype)
+
+
+def init_distributed(device_type: str = "cuda", timeout_s: float = 600.0) -> torch.device:
+    """Join the default process group of a ``torchrun`` launch: NCCL on this rank's GPU (``LOCAL_RANK``,
+    NVLink multicast left off) or gloo on the CPU. Returns the device this rank computes on.
+
+    >>> device = init_distributed("cuda")          # under torchrun --nproc-per-node=<GPUs>
+    """
+    if device_type not in ("cuda", "cpu"):
+        raise ValueError(f"device_type must be 'cuda' or 'cpu', got {device_type!r}")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if device_type == "cpu":
+        dist.init_process_group("gloo", timeout=timeout)
+        return torch.device("cpu")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device, timeout=timeout)
+    return device
 
 
 def _collective_device(group) -> torch.device:

@@ -18,8 +18,6 @@ Exits non-zero when a check fails.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import statistics
 import sys
 import time
@@ -31,7 +29,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cp_attention import flash_decode  # noqa: E402
-from cp_attention.distributed import CPKVCache  # noqa: E402
+from cp_attention.distributed import CPKVCache, init_distributed  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # (atol, rtol) of the CP output against single-rank flash_decode: the CP path rounds the per-rank
@@ -162,14 +160,7 @@ def run(args, device, context, steps, check):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.device == "cuda":
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout_s))
+    device = init_distributed(args.device, args.timeout_s)
     rank, world = dist.get_rank(), dist.get_world_size()
     passed = True
     try:

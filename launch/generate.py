@@ -1,0 +1,438 @@
+"""Greedy generation with a Llama-family model whose KV cache is sharded over the ranks (context parallelism).
+
+GPU (NCCL, one GPU per process; the decode step is captured in one CUDA graph)::
+
+    torchrun --nproc-per-node=2 launch/generate.py --model DIR --prompts PROMPTS.json --new-tokens 64 \\
+        --output OUT.json
+
+CPU (gloo; the Triton kernels run under the interpreter with ``TRITON_INTERPRET=1``, else the torch path)::
+
+    torchrun --nproc-per-node=2 launch/generate.py --device cpu --model DIR --prompts PROMPTS.json --new-tokens 8
+
+``DIR`` is a Hugging Face checkpoint (``config.json`` + ``*.safetensors``) of a Llama, Mistral or Qwen2 model
+(``launch/llama.py``); ``--random-config llama3-8b`` builds seeded random weights instead. ``PROMPTS.json`` is
+a JSON list of prompts, each a list of token ids (ragged lengths); all prompts decode as one batch, ``N``
+new tokens each, greedily (no stop token). Every rank holds the weights; the KV cache of every layer is a
+:class:`cp_attention.distributed.CPKVCache` (position ``p`` on rank ``p % W``); each decode step appends the
+new token's K/V and runs ``CPKVCache.decode`` (⊕ across the ranks, bitwise identical on every rank, so every
+rank picks the same tokens: checked at the end). Rank 0 writes ``OUT.json``: ``{"tokens": [[new ids of
+prompt 0], ...], "prefill_s": ..., "decode_step_s": [...], "decode_tokens_per_s": ..., ...}``.
+
+``--fill-context T`` replaces the prompts' prefill by ``T`` positions of random K/V per sequence (each rank
+generates only its shard), then decodes from each prompt's last token: for timing long contexts only, the
+tokens mean nothing (the JSON says so). Bad checkpoints (unsupported architecture, head dim outside the
+kernels' range, missing tensor) fail with a message before any process group is formed.
+
+Note [Context-parallel prefill]
+-------------------------------
+The prompt is prefilled where its KV cache will live. Prompts are right-padded to ``n * W`` tokens (``n =
+ceil(max_len / W)``) and rank ``r`` takes the positions ``p = r + W * i``, ``i < n``: exactly the positions
+that ``CPKVCache``'s interleaved placement keeps on rank ``r``, at local slot ``i``. Each rank runs the whole
+layer stack (embeddings, projections, RoPE, MLP) for its positions only -- ``1 / W`` of the prompt's tokens
+-- and writes each layer's K/V straight into its cache shard; no rank computes K/V it does not keep.
+
+Attention needs every earlier key. Per layer, one all-gather brings every rank's K/V shard (``[W, 2, B, n,
+Hkv, D]``) to every rank ("pass-KV"); rank ``r`` then computes, for each source shard ``s``, the attention
+state ``(o_s, lse_s)`` (natural-log LSE) of its queries over that shard's keys, and merges the ``W`` states
+with ⊕ (:func:`cp_attention.merge_states`, in rank order). The keys of the shards are disjoint and cover the
+sequence, so the merge is the exact causal attention.
+
+- The causal rule in local indices is simple: query ``i`` of rank ``r`` (position ``r + W i``) sees key
+  ``j`` of shard ``s`` (position ``s + W j``) iff ``j <= i`` when ``s <= r`` and ``j < i`` when ``s > r``.
+  Both are square causal attentions (the second over queries ``1..n-1`` and keys ``0..n-2``, with query 0
+  empty), so a FlashAttention kernel that returns its LSE computes every state:
+  ``aten._scaled_dot_product_flash_attention`` on CUDA (fp16/bf16; its ``logsumexp`` is FlashAttention-2's
+  ``softmax_lse``, natural log, ``[B, H, L]`` float32) and ``aten._scaled_dot_product_flash_attention_for_cpu``
+  on the CPU (natural log as well; checked against ``torch.logsumexp`` in the tests). Sliding windows and
+  float32 on CUDA use a plain-torch masked attention over the keys a query chunk can see.
+- Load balance: with interleaved positions every rank holds an equal share of early and late queries, so
+  the causal work is balanced without reordering (Striped Attention, Brandon et al. 2023); the placement is
+  the decode cache's, so nothing moves between prefill and decode.
+- All-gather rather than a ring: one collective per layer instead of ``W - 1`` send/recv rounds, no
+  overlap machinery, the same bytes per rank (each receives the ``W - 1`` other shards either way) and a
+  fixed merge order. A ring overlaps the transfers with attention, but at long prompts the gather is small
+  next to the attention it feeds (128k tokens of Llama-3-8B: 256 MiB per layer into each of 2 ranks, about
+  a millisecond over NVLink, against about 0.1 s of attention per layer and rank), so the overlap would
+  save little; the gathered K/V of one layer (``W`` times a shard) is transient.
+- Pass-KV rather than pass-Q (gathering queries, returning states): with grouped-query attention a
+  token's K and V (``2 * Hkv * D``) are smaller than its query plus a float32 state (``Hq * (2D + 1)``).
+- Ragged prompts: right-padding keeps position = index for every sequence, so one position vector serves
+  the batch. The padding positions ``p >= len_b`` get K/V too, but every real query comes before them (the
+  causal rule hides them), the cache never reads past its lengths, and decode appends overwrite them.
+- The last prompt position of sequence ``b`` lives on rank ``(len_b - 1) % W``; its final hidden state is
+  all-gathered, and every rank computes the same logits from the same bits, hence the same first token.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+# NCCL collectives captured in a CUDA graph: no NVLink multicast (NVLS) and no multicast symmetric memory.
+os.environ["NCCL_NVLS_ENABLE"] = "0"
+os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cp_attention import AttentionState, merge_states  # noqa: E402
+from cp_attention.distributed import CPKVCache, init_distributed  # noqa: E402
+from launch.llama import CONFIGS, CheckpointError, inspect_checkpoint, load_checkpoint, random_model  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+WARMUP_STEPS = 2  # eager decode steps (on a side stream) before the CUDA graph is captured
+QUERY_CHUNK = 512  # queries per block of the plain-torch prefill attention
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", type=Path, help="Hugging Face checkpoint directory (config.json + *.safetensors)")
+    src.add_argument("--random-config", choices=sorted(CONFIGS), help="seeded random weights of these shapes")
+    p.add_argument("--prompts", type=Path, required=True, help="JSON list of prompts, each a list of token ids")
+    p.add_argument("--new-tokens", type=int, required=True, help="tokens generated per prompt (greedy)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--output", type=Path, help="JSON written by rank 0 (default: printed)")
+    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="capture the decode step in one CUDA graph (default: on for cuda)")
+    p.add_argument("--fill-context", type=int, metavar="T",
+                   help="timing only: T positions of random K/V per sequence instead of the prompts' prefill")
+    p.add_argument("--logits", action="store_true", help="also write the prefill's last-position logits")
+    p.add_argument("--prefill-runs", type=int, default=1, metavar="R",
+                   help="run the prefill R times (the same result; later runs time it without one-time set-up)")
+    p.add_argument("--profile-steps", type=int, default=0, metavar="P",
+                   help="profile the last P decode steps (torch.profiler); kernel times per step in the JSON")
+    p.add_argument("--seed", type=int, default=0, help="seed of --random-config weights and --fill-context K/V")
+    p.add_argument("--timeout-s", type=int, default=1800, help="process-group timeout")
+    args = p.parse_args(argv)
+    if args.new_tokens < 1:
+        p.error("--new-tokens must be >= 1")
+    if args.fill_context is not None and args.fill_context < 1:
+        p.error("--fill-context must be >= 1")
+    if args.cuda_graph is None:
+        args.cuda_graph = args.device == "cuda"
+    if args.cuda_graph and args.device != "cuda":
+        p.error("--cuda-graph needs --device cuda")
+    steps = args.new_tokens - (args.fill_context is None)  # the prefill picks the first token
+    if not 0 <= args.profile_steps <= steps:
+        p.error(f"--profile-steps must lie in [0, {steps}] (the decode steps)")
+    if args.prefill_runs < 1:
+        p.error("--prefill-runs must be >= 1")
+    args.dtype = DTYPES[args.dtype or ("bfloat16" if args.device == "cuda" else "float32")]
+    return args
+
+
+def load_prompts(path: Path, vocab_size: int) -> list:
+    """The prompts of ``path``: a non-empty JSON list of non-empty lists of token ids in ``[0, vocab_size)``."""
+    prompts = json.loads(path.read_text())
+    if not isinstance(prompts, list) or not prompts:
+        raise ValueError(f"{path} must hold a non-empty JSON list of prompts")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, list) or not p or not all(isinstance(t, int) and 0 <= t < vocab_size for t in p):
+            raise ValueError(f"prompt {i} of {path} must be a non-empty list of token ids in [0, {vocab_size})")
+    return prompts
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def all_gather(t: torch.Tensor) -> torch.Tensor:
+    """``[...]`` on every rank -> ``[W, ...]``, entry ``r`` from rank ``r``."""
+    out = torch.empty((dist.get_world_size(),) + tuple(t.shape), dtype=t.dtype, device=t.device)
+    dist.all_gather(list(out.unbind(0)), t.contiguous())
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------
+# Prefill (Note [Context-parallel prefill])
+
+
+def causal_state(q, k, v, scale: float, strict: bool) -> AttentionState:
+    """State of each query over the keys up to its index, or before it when ``strict``.
+
+    ``q [B, Hq, n, D]``, ``k``/``v [B, Hkv, n, D]`` (one dtype) -> ``AttentionState(o [B, Hq, n, D] in q's
+    dtype, lse [B, Hq, n] float32, natural log)``; a query that sees no key gets ``o = 0``, ``lse = -inf``.
+    Runs FlashAttention (CUDA fp16/bf16, or the CPU kernel).
+    """
+    b, hq, n, d = q.shape
+    if strict:  # query i sees keys j < i: query 0 none, query i >= 1 the causal keys 0..i-1
+        empty = AttentionState.empty((b, hq, 1), d, dtype=q.dtype, device=q.device)
+        if n == 1:
+            return empty
+        st = causal_state(q[:, :, 1:], k[:, :, :-1], v[:, :, :-1], scale, strict=False)
+        return AttentionState(torch.cat([empty.o, st.o], 2), torch.cat([empty.lse, st.lse], 2))
+    group = hq // k.shape[1]
+    k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))  # one KV head per query head
+    if q.is_cuda:
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)[:2]
+    else:
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+    return AttentionState(o, lse)
+
+
+def masked_state(q, k, v, q_first: int, k_first: int, stride: int, scale: float, window_left) -> AttentionState:
+    """State of queries at positions ``q_first + stride * i`` over keys at ``k_first + stride * j``: a query at
+    ``p`` sees the keys at ``[p - window_left, p]`` (``window_left=None``: ``[0, p]``). Plain torch, float32
+    scores, ``QUERY_CHUNK`` queries at a time against only the keys their positions can reach.
+
+    ``q [B, Hq, n, D]``, ``k``/``v [B, Hkv, m, D]`` -> ``AttentionState(o [B, Hq, n, D] in q's dtype,
+    lse [B, Hq, n] float32, natural log)``; ``o = 0``, ``lse = -inf`` for a query that sees no key.
+    """
+    b, hq, n, d = q.shape
+    hkv, m = k.shape[1], k.shape[2]
+    group = hq // hkv
+    o = torch.empty_like(q)
+    lse = torch.empty(b, hq, n, dtype=torch.float32, device=q.device)
+    for i0 in range(0, n, QUERY_CHUNK):
+        i1 = min(n, i0 + QUERY_CHUNK)
+        p_lo, p_hi = q_first + stride * i0, q_first + stride * (i1 - 1)
+        j1 = max(0, min(m, (p_hi - k_first) // stride + 1))  # keys at positions <= p_hi
+        j0 = 0 if window_left is None else min(j1, max(0, -(-(p_lo - window_left - k_first) // stride)))
+        q_pos = q_first + stride * torch.arange(i0, i1, device=q.device)
+        k_pos = k_first + stride * torch.arange(j0, j1, device=q.device)
+        visible = k_pos[None, :] <= q_pos[:, None]  # [c, m']
+        if window_left is not None:
+            visible &= k_pos[None, :] >= q_pos[:, None] - window_left
+        qc = q[:, :, i0:i1].float().unflatten(1, (hkv, group))  # [B, Hkv, G, c, D]
+        kc, vc = (t[:, :, None, j0:j1].float() for t in (k, v))  # [B, Hkv, 1, m', D]
+        s = (qc @ kc.transpose(-1, -2)) * scale
+        s = s.masked_fill(~visible, float("-inf"))
+        lse_c = torch.logsumexp(s, dim=-1)  # [B, Hkv, G, c]
+        ref = torch.where(torch.isinf(lse_c), torch.zeros_like(lse_c), lse_c)
+        o[:, :, i0:i1] = (torch.exp(s - ref[..., None]) @ vc).flatten(1, 2).to(q.dtype)
+        lse[:, :, i0:i1] = lse_c.flatten(1, 2)
+    return AttentionState(o, lse)
+
+
+def prefill_attention(q, k, v, cache: CPKVCache, scale: float, window_left) -> torch.Tensor:
+    """One layer's attention for this rank's prompt positions ``rank + W * i`` (Note [Context-parallel prefill]).
+
+    ``q [B, n, Hq, D]``, ``k``/``v [B, n, Hkv, D]`` (RoPE applied). Stores ``k``/``v`` in ``cache``'s local
+    slots ``[0, n)``, gathers every rank's shard and returns ``o [B, n, Hq, D]`` in q's dtype: the ⊕ of the
+    per-shard attention states.
+    """
+    rank, world = cache.rank, cache.world_size
+    n = q.shape[1]
+    cache.k[:, :, :n] = k.transpose(1, 2)
+    cache.v[:, :, :n] = v.transpose(1, 2)
+    kv = all_gather(torch.stack([k, v]))  # [W, 2, B, n, Hkv, D]
+    qh = q.transpose(1, 2)
+    flash = window_left is None and (not q.is_cuda or q.dtype != torch.float32)
+    states = []
+    for s in range(world):
+        ks, vs = kv[s, 0].transpose(1, 2), kv[s, 1].transpose(1, 2)
+        if flash:
+            states.append(causal_state(qh, ks, vs, scale, strict=s > rank))
+        else:
+            states.append(masked_state(qh, ks, vs, rank, s, world, scale, window_left))
+    merged = merge_states(torch.stack([st.o for st in states]), torch.stack([st.lse for st in states]))
+    return merged.o.transpose(1, 2)
+
+
+def prefill(model, caches, prompts, device):
+    """Context-parallel prefill of the right-padded prompts; sets the caches' lengths.
+
+    Returns ``logits [B, vocab]`` of every prompt's last position, the same bits on every rank.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    lens = torch.tensor([len(p) for p in prompts], device=device)
+    n = -(-int(lens.max()) // world)
+    padded = torch.zeros(len(prompts), n * world, dtype=torch.int64)
+    for b, p in enumerate(prompts):
+        padded[b, : len(p)] = torch.tensor(p)
+    tokens = padded[:, rank::world].to(device)  # [B, n]: this rank's positions rank + W * i
+    positions = rank + world * torch.arange(n, device=device)
+    scale = model.args.head_dim ** -0.5
+    h = model(tokens, positions,
+              lambda i, q, k, v: prefill_attention(q, k, v, caches[i], scale, model.args.window_left(i)))
+    rows = torch.arange(len(prompts), device=device)
+    mine = h[rows, (lens - 1) // world]  # [B, dim]: valid where this rank owns the last position
+    last = all_gather(mine)[(lens - 1) % world, rows]
+    for cache in caches:
+        cache.set_lengths(lens)
+    return model.logits(last)
+
+
+def fill_synthetic(caches, context: int, seed: int) -> None:
+    """``context`` positions of random K/V per sequence: each rank generates only the positions it owns."""
+    for i, cache in enumerate(caches):
+        gen = torch.Generator(cache.k.device).manual_seed(seed + 1000 * (i + 1) + cache.rank)
+        owned = -(-(context - cache.rank) // cache.world_size)
+        cache.k[:, :, :owned].normal_(generator=gen)
+        cache.v[:, :, :owned].normal_(generator=gen)
+        cache.set_lengths(torch.full_like(cache.global_seq_lens, context))
+
+
+# ------------------------------------------------------------------------------------------------------
+# Decode
+
+
+def decode_step(model, caches, tokens, check_metadata: bool = False) -> torch.Tensor:
+    """One greedy step: ``tokens [B]`` int64 at the positions ``caches[i].global_seq_lens`` -> the next
+    tokens ``[B]`` int64. Appends the step's K/V to every layer's cache. No host sync without
+    ``check_metadata`` (capturable in a CUDA graph)."""
+    scale = model.args.head_dim ** -0.5
+
+    def attend(i, q, k, v):
+        caches[i].append(k, v)
+        return caches[i].decode(q, sm_scale=scale, window_left=model.args.window_left(i),
+                                check_metadata=check_metadata)
+
+    h = model(tokens, caches[0].global_seq_lens.clone(), attend)
+    return model.logits(h).argmax(-1)
+
+
+def decode(model, caches, first, steps: int, args, device):
+    """``steps`` greedy steps from ``first [B]``. Returns ``(tokens [B, steps] int64, seconds per step, the
+    number of leading eager warm-up steps, the profiler or None)``. With ``args.cuda_graph`` the first
+    ``WARMUP_STEPS`` steps run eagerly on a side stream, then one step is captured and replayed."""
+    tokens, times = [], []
+    tok = first
+    graph = static_in = static_out = prof = None
+    warmup = min(steps, WARMUP_STEPS) if args.cuda_graph else 0
+    if args.cuda_graph:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+    for s in range(steps):
+        if s == steps - args.profile_steps:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            prof = torch.profiler.profile(activities=activities)
+            prof.start()
+        if s == warmup and args.cuda_graph:
+            torch.cuda.current_stream(device).wait_stream(side)
+            static_in, graph = tok.clone(), torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):  # recorded, not run: the caches are not touched by the capture
+                static_out = decode_step(model, caches, static_in)
+        sync(device)
+        t0 = time.perf_counter()
+        if graph is not None:
+            static_in.copy_(tok)
+            graph.replay()
+            tok = static_out.clone()
+        elif args.cuda_graph:
+            with torch.cuda.stream(side):
+                tok = decode_step(model, caches, tok, check_metadata=s == 0)
+            torch.cuda.current_stream(device).wait_stream(side)
+        else:
+            tok = decode_step(model, caches, tok, check_metadata=s == 0)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+        tokens.append(tok)
+    if prof is not None:
+        prof.stop()
+    out = torch.stack(tokens, 1) if tokens else first.new_empty(first.shape[0], 0)
+    return out, times, warmup, prof
+
+
+def profile_table(prof, steps: int, cuda: bool, top: int = 30) -> dict:
+    """Where a profiled decode step's time goes: self time per op or kernel (GPU kernel time on CUDA, CPU
+    time on the CPU), in µs per step, largest first."""
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    rows = sorted(((getattr(e, attr), e.count, e.key) for e in prof.key_averages() if getattr(e, attr) > 0),
+                  reverse=True)
+    total = sum(t for t, _, _ in rows)
+    return {"clock": "GPU kernel time" if cuda else "CPU self time", "steps": steps,
+            "total_us_per_step": total / steps,
+            "top": [{"name": k, "us_per_step": t / steps, "share": t / total, "calls_per_step": c / steps}
+                    for t, c, k in rows[:top]]}
+
+
+# ------------------------------------------------------------------------------------------------------
+
+
+def run(args, model, prompts, device) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    margs = model.args
+    b = len(prompts)
+    context = args.fill_context or max(len(p) for p in prompts)
+    caches = [CPKVCache(b, margs.n_kv_heads, margs.head_dim, context + args.new_tokens, dtype=args.dtype,
+                        device=device, rank=rank, world_size=world) for _ in range(margs.n_layers)]
+    result = {"world_size": world, "device": device.type, "dtype": str(args.dtype).replace("torch.", ""),
+              "model": args.random_config or str(args.model), "batch": b,
+              "prompt_lens": [len(p) for p in prompts], "new_tokens": args.new_tokens,
+              "cuda_graph": args.cuda_graph}
+    if args.fill_context is None:
+        runs = []
+        for _ in range(args.prefill_runs):
+            dist.barrier()
+            t0 = time.perf_counter()
+            logits = prefill(model, caches, prompts, device)
+            sync(device)
+            runs.append(time.perf_counter() - t0)
+        first = logits.argmax(-1)
+        result.update(prefill_s=runs[-1], prefill_runs_s=runs,
+                      prefill_tokens_per_s=sum(result["prompt_lens"]) / runs[-1])
+        if args.logits:
+            result["prefill_logits"] = logits.float().cpu().tolist()
+        steps, generated = args.new_tokens - 1, [first[:, None]]
+    else:
+        fill_synthetic(caches, args.fill_context, args.seed)
+        result["synthetic_context"] = args.fill_context
+        result["note"] = ("--fill-context: each sequence's context is random K/V, not the prompt; for timing only, "
+                          "the tokens are not meaningful")
+        first = torch.tensor([p[-1] for p in prompts], device=device)
+        steps, generated = args.new_tokens, []
+    new, times, warmup, prof = decode(model, caches, first, steps, args, device)
+    tokens = torch.cat(generated + [new], 1)  # [B, N]
+    everyone = all_gather(tokens)
+    for r in range(world):
+        if not torch.equal(everyone[r], everyone[0]):
+            b_bad, s_bad = (everyone[r] != everyone[0]).nonzero()[0].tolist()
+            raise RuntimeError(f"rank {r} chose token {int(everyone[r][b_bad, s_bad])} for sequence {b_bad} step "
+                               f"{s_bad}, rank 0 chose {int(everyone[0][b_bad, s_bad])}: the ranks disagree")
+    timed = times[warmup: steps - args.profile_steps]
+    result.update(tokens=tokens.cpu().tolist(), decode_step_s=times, decode_warmup_steps=warmup,
+                  decode_profiled_steps=args.profile_steps,
+                  decode_step_median_s=statistics.median(timed) if timed else None,
+                  decode_tokens_per_s=b * len(timed) / sum(timed) if timed else None)
+    if prof is not None:
+        result["profile"] = profile_table(prof, args.profile_steps, device.type == "cuda")
+    return result
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:  # every rank checks the same inputs: a bad one stops them all before any collective
+        if args.random_config:
+            margs, files = CONFIGS[args.random_config], None
+        else:
+            margs, files = inspect_checkpoint(args.model)
+        prompts = load_prompts(args.prompts, margs.vocab_size)
+    except (CheckpointError, ValueError, OSError) as exc:
+        raise SystemExit(f"generate.py: error: {exc}") from None
+    device = init_distributed(args.device, args.timeout_s)
+    try:
+        with torch.inference_mode():
+            if files is None:
+                model = random_model(margs, device, args.dtype, args.seed)
+            else:
+                model = load_checkpoint(margs, files, device, args.dtype)
+            result = run(args, model, prompts, device)
+        if dist.get_rank() == 0:
+            text = json.dumps(result, indent=1)
+            if args.output is None:
+                print(text)
+            else:
+                args.output.write_text(text + "\n")
+                prefill_s, rate = result.get("prefill_s"), result["decode_tokens_per_s"]
+                print(f"[generate] W={result['world_size']} {result['device']} {result['dtype']} B={result['batch']} "
+                      f"context={args.fill_context or max(result['prompt_lens'])} new={args.new_tokens}: prefill "
+                      f"{'skipped' if prefill_s is None else f'{prefill_s:.3f} s'}, decode "
+                      f"{'n/a' if rate is None else f'{rate:.1f} tokens/s'} -> {args.output}", flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,364 @@
+"""A Llama-family decoder in plain torch (gpt-fast style), with the attention left to the caller.
+
+Llama 2/3 (RMSNorm, rotary embeddings with ``rope_type`` default or ``llama3``, grouped-query attention with
+any head dim, SwiGLU MLP, tied or untied embeddings), Mistral (a sliding window on every layer) and Qwen2
+(biases on the q/k/v projections; sliding windows per ``layer_types``). Module and parameter names are the
+Hugging Face ones (``model.layers.0.self_attn.q_proj.weight``), so a checkpoint written by
+``save_pretrained`` loads with ``load_state_dict``.
+
+The model computes everything but attention: :meth:`Transformer.forward` takes a callable ``attention(layer,
+q, k, v) -> o`` that owns the KV cache (a context-parallel prefill, or ``CPKVCache.append`` + ``decode`` in
+``launch/generate.py``). RoPE and RMSNorm follow ``transformers`` operation by operation (same dtypes, same
+order), so float32 logits agree with ``LlamaForCausalLM`` to rounding.
+
+Checkpoints are checked from ``config.json`` and the safetensors headers (:func:`inspect_checkpoint`) before
+any tensor is read: unsupported architectures, head dims the decode kernels do not take and missing or
+misshapen tensors raise :class:`CheckpointError` naming what is wrong.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint this model cannot run (unsupported architecture, missing or misshapen tensor)."""
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """Shapes and options of one model (the fields of a Hugging Face ``config.json`` that matter here).
+
+    ``windows``: per layer, ``None`` (full causal attention) or the sliding window ``W`` of Hugging Face
+    configs, which lets a query see itself and the ``W - 1`` keys before it (``window_left = W - 1``).
+    """
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # Llama 3.1's: factor, low/high_freq_factor, original_max_position_embeddings
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    windows: tuple = ()  # per layer: None or a sliding window; () means none anywhere
+
+    def window_left(self, layer: int) -> int | None:
+        """``window_left`` of ``flash_decode`` for ``layer`` (``None``: no window)."""
+        w = self.windows[layer] if self.windows else None
+        return None if w is None else w - 1
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> "ModelArgs":
+        """Arguments from a parsed Hugging Face ``config.json``; :class:`CheckpointError` for what this model
+        does not run."""
+        model_type = cfg.get("model_type")
+        if model_type not in MODEL_TYPES:
+            raise CheckpointError(f"unsupported model_type {model_type!r} (supported: {', '.join(MODEL_TYPES)})")
+        archs = [a for a in cfg.get("architectures") or [] if not a.endswith("ForCausalLM")]
+        if archs:
+            raise CheckpointError(f"unsupported architecture {archs[0]!r} (a *ForCausalLM checkpoint is needed)")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise CheckpointError(f"unsupported hidden_act {cfg['hidden_act']!r} (the SwiGLU MLP needs 'silu')")
+        try:
+            n_heads, dim = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
+            n_layers = int(cfg["num_hidden_layers"])
+            args = dict(vocab_size=int(cfg["vocab_size"]), dim=dim, n_layers=n_layers, n_heads=n_heads,
+                        n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+                        head_dim=int(cfg.get("head_dim") or dim // n_heads),
+                        intermediate_size=int(cfg["intermediate_size"]))
+        except KeyError as exc:
+            raise CheckpointError(f"config.json lacks {exc.args[0]!r}") from None
+        args["norm_eps"] = float(cfg.get("rms_norm_eps", 1e-6))
+        args["tie_embeddings"] = bool(cfg.get("tie_word_embeddings", False))
+        # transformers >= 5 writes rope_parameters (theta included); older configs rope_theta + rope_scaling.
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        args["rope_theta"] = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type == "llama3":
+            args["rope_scaling"] = {k: rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                                         "original_max_position_embeddings")}
+        elif rope_type != "default":
+            raise CheckpointError(f"unsupported rope type {rope_type!r} (supported: default, llama3)")
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise CheckpointError("unsupported partial_rotary_factor (rotary embeddings over the whole head only)")
+        if model_type == "qwen2":
+            args["qkv_bias"] = True
+        else:
+            args["qkv_bias"] = args["o_bias"] = bool(cfg.get("attention_bias", False))
+        args["mlp_bias"] = bool(cfg.get("mlp_bias", False))
+        args["windows"] = _windows(cfg, model_type, n_layers)
+        return cls(**args)
+
+    def check(self) -> None:
+        """Raise :class:`CheckpointError` for shapes the decode kernels or the model do not take."""
+        d = self.head_dim
+        if d % 8 or not 32 <= d <= 256:
+            raise CheckpointError(f"head_dim {d} is not supported: the decode kernels take a multiple of 8 in "
+                                  f"[32, 256]")
+        if self.n_heads % self.n_kv_heads:
+            raise CheckpointError(f"num_attention_heads ({self.n_heads}) must be a multiple of "
+                                  f"num_key_value_heads ({self.n_kv_heads})")
+        if self.windows and len(self.windows) != self.n_layers:
+            raise CheckpointError(f"layer_types has {len(self.windows)} entries for {self.n_layers} layers")
+        if any(w is not None and w < 1 for w in self.windows):
+            raise CheckpointError(f"sliding_window must be >= 1, got {self.windows}")
+
+
+def _windows(cfg: dict, model_type: str, n_layers: int) -> tuple:
+    """Per-layer sliding windows (``()`` when no layer has one)."""
+    window = cfg.get("sliding_window")
+    if model_type == "llama" or window is None:
+        return ()
+    if model_type == "mistral":
+        return (int(window),) * n_layers
+    types = cfg.get("layer_types")
+    if types is None:  # Qwen2 configs before layer_types: windows from layer max_window_layers on
+        use = cfg.get("use_sliding_window", False)
+        types = ["sliding_attention" if use and i >= cfg.get("max_window_layers", 0) else "full_attention"
+                 for i in range(n_layers)]
+    unknown = set(types) - {"sliding_attention", "full_attention"}
+    if unknown:
+        raise CheckpointError(f"unsupported layer_types {sorted(unknown)}")
+    windows = tuple(int(window) if t == "sliding_attention" else None for t in types)
+    return windows if any(w is not None for w in windows) else ()
+
+
+# Shapes of public models, for --random-config (random weights; no checkpoint needed).
+CONFIGS = {
+    "llama3-8b": ModelArgs(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
+                           intermediate_size=14336, norm_eps=1e-5, rope_theta=500000.0,
+                           rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                         "original_max_position_embeddings": 8192}),
+    "llama3.2-1b": ModelArgs(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, head_dim=64,
+                             intermediate_size=8192, norm_eps=1e-5, rope_theta=500000.0,
+                             rope_scaling={"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                           "original_max_position_embeddings": 8192}, tie_embeddings=True),
+    "llama2-7b": ModelArgs(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, head_dim=128,
+                           intermediate_size=11008, norm_eps=1e-5),
+    "tiny": ModelArgs(vocab_size=256, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32,
+                      intermediate_size=256),
+}
+
+
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    """``[head_dim // 2]`` float32 inverse frequencies, computed as ``transformers`` does (on the CPU)."""
+    d = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    sc = args.rope_scaling
+    if sc is None:
+        return inv_freq
+    # Llama 3.1: long wavelengths divided by factor, short ones kept, a smooth blend in between.
+    factor, low, high, old_len = (sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"],
+                                  sc["original_max_position_embeddings"])
+    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, inv_freq_llama)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., dim]`` -> ``[..., dim]``: normalised in float32, scaled in x's dtype (as transformers)."""
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """The projections around attention; the attention itself is the caller's (:meth:`Transformer.forward`)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
+
+    def qkv(self, x, cos, sin):
+        """``x [..., dim]``, ``cos``/``sin [..., head_dim]`` -> ``q [..., Hq, D]``, ``k``/``v [..., Hkv, D]``
+        (RoPE applied to q and k), x's dtype."""
+        lead = x.shape[:-1]
+        q = self.q_proj(x).view(*lead, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(*lead, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(*lead, self.n_kv_heads, self.head_dim)
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.dim, args.intermediate_size, bias=args.mlp_bias)
+        self.up_proj = nn.Linear(args.dim, args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+
+
+class Body(nn.Module):
+    """``LlamaModel``'s parameters: embeddings, blocks, final norm."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+
+
+class Transformer(nn.Module):
+    """``LlamaForCausalLM``: ``model`` (:class:`Body`) and ``lm_head`` (absent when tied to the embeddings)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = Body(args)
+        self.lm_head = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
+        """Hidden states after the final norm.
+
+        Args:
+            tokens: ``[B, n]`` or ``[B]`` int64 token ids.
+            positions: their positions, int64, broadcastable to ``tokens``: ``[n]`` (shared by the batch) or
+                ``[B]`` (one per sequence in a decode step).
+            attention: ``attention(layer, q, k, v) -> o`` with ``q [*tokens.shape, Hq, D]``, ``k``/``v
+                [*tokens.shape, Hkv, D]`` (RoPE applied) and ``o`` shaped like ``q``: the causal attention of
+                each query over the keys of its sequence up to its position (the caller's KV cache).
+
+        Returns:
+            ``[*tokens.shape, dim]`` in the model's dtype.
+        """
+        x = self.model.embed_tokens(tokens)
+        freqs = positions[..., None].float() * self.inv_freq  # as transformers: float32, then cos/sin
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
+            o = attention(i, q, k, v)
+            x = x + layer.self_attn.o_proj(o.flatten(-2))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.model.norm(x)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """``[..., dim]`` final hidden states -> ``[..., vocab]`` logits in the model's dtype."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, weight)
+
+
+def expected_shapes(args: ModelArgs) -> dict:
+    """Every tensor a checkpoint for ``args`` must hold, name -> shape."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    return {name: tuple(p.shape) for name, p in model.state_dict().items()}
+
+
+def inspect_checkpoint(path) -> tuple[ModelArgs, dict]:
+    """Read ``config.json`` and the safetensors headers of a Hugging Face checkpoint directory, and check them
+    (no tensor data is read).
+
+    Returns:
+        ``(args, files)``: the model's :class:`ModelArgs` and ``{tensor name: safetensors file}`` for every
+        tensor the model needs. Raises :class:`CheckpointError` for an unsupported architecture or head dim, a
+        missing tensor or a tensor of the wrong shape.
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path} has no config.json (expected a Hugging Face checkpoint directory)")
+    args = ModelArgs.from_hf_config(json.loads((path / "config.json").read_text()))
+    args.check()
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path} has no *.safetensors files")
+    shapes, where = {}, {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                shapes[name] = tuple(st.get_slice(name).get_shape())
+                where[name] = f
+    expected = expected_shapes(args)
+    missing = sorted(set(expected) - set(shapes))
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise CheckpointError(f"{path} lacks tensor(s) {', '.join(missing[:5])}{more}")
+    for name, shape in expected.items():
+        if shapes[name] != shape:
+            raise CheckpointError(f"tensor {name} in {where[name].name} has shape {list(shapes[name])}, expected "
+                                  f"{list(shape)} from config.json")
+    return args, {name: where[name] for name in expected}
+
+
+def load_checkpoint(args: ModelArgs, files: dict, device, dtype) -> Transformer:
+    """The model of :func:`inspect_checkpoint`'s ``(args, files)`` on ``device`` in ``dtype`` (in eval mode)."""
+    from safetensors import safe_open
+
+    state = {}
+    for f in sorted(set(files.values())):
+        with safe_open(str(f), framework="pt", device="cpu") as st:
+            for name in st.keys():
+                if name in files:
+                    state[name] = st.get_tensor(name).to(device=device, dtype=dtype)
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.inv_freq = rope_inv_freq(args).to(device)
+    return model.eval()
+
+
+def random_model(args: ModelArgs, device, dtype, seed: int = 0, std: float = 0.02) -> Transformer:
+    """A model with seeded random weights (normal(0, std) matrices, unit norms, zero biases), generated on
+    ``device``: the same weights on every process that passes the same seed and device type."""
+    with torch.device("meta"):
+        model = Transformer(args).to(dtype)
+    model = model.to_empty(device=device)
+    gen = torch.Generator(device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.data.fill_(1.0)
+        elif name.endswith(".bias"):
+            p.data.zero_()
+        else:
+            p.data.normal_(0.0, std, generator=gen)
+    model.inv_freq = rope_inv_freq(args).to(device)
+    return model.eval()
