@@ -41,6 +41,7 @@ from benchmarks._harness import (  # noqa: E402
     DTYPES, GRAPH_CALLS, RESULTS, bench_call, capture, max_abs_diff, table, tqdm, write_json,
 )
 from cp_attention import AttentionState, CascadeLevel, cascade_decode, flash_decode  # noqa: E402
+from cp_attention.state import normalize, unnormalize  # noqa: E402
 from cp_attention.distributed import (cp_cascade_decode, cp_flash_decode, init_distributed,  # noqa: E402
                                       merge_across_ranks, shard_kv)
 
@@ -86,13 +87,10 @@ def tree_merge(state, group=None) -> AttentionState:
     o, lse = state
     m = lse.clone()
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-    m = torch.where(m == float("-inf"), torch.zeros_like(m), m)  # every rank empty: weights exp(-inf) = 0
-    w = torch.exp(lse - m).unsqueeze(-1)
-    buf = torch.cat([w * o.float(), w], dim=-1)
+    num, den = unnormalize(o, lse, m)
+    buf = torch.cat([num, den.unsqueeze(-1)], dim=-1)
     dist.all_reduce(buf, group=group)
-    num, den = buf[..., :-1], buf[..., -1:]
-    out = num / torch.where(den > 0, den, torch.ones_like(den))
-    return AttentionState(out.to(o.dtype), m + torch.log(den.squeeze(-1)))
+    return normalize(buf[..., :-1], buf[..., -1], m, o.dtype)
 
 
 class Timer:

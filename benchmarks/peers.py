@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from cp_attention import flash_decode, heuristics, lse_to_base2, quantize_kv
+from cp_attention.state import _merge_states_torch
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended workspace size
 
@@ -216,17 +217,10 @@ def flashinfer_cascade(q, prefix_k, prefix_v, suffix_k, suffix_v, *, page_size: 
 
 
 def torch_merge_states(o, lse):
-    """⊕ over dim 0 of ``o [N, ..., D]``, ``lse [N, ...]`` (natural log) in plain torch (float32 math);
-    returns ``(o, lse)``, ``o`` in ``o``'s dtype. The callable is its own check value."""
-    def run():
-        m = lse.amax(dim=0)
-        m = torch.where(m == float("-inf"), torch.zeros_like(m), m)
-        w = torch.exp(lse - m)
-        den = w.sum(dim=0)
-        out = (w.unsqueeze(-1) * o.float()).sum(dim=0) / torch.where(den > 0, den, 1.0).unsqueeze(-1)
-        return out.to(o.dtype), m + torch.log(den)
-
-    return run
+    """⊕ over dim 0 of ``o [N, ..., D]``, ``lse [N, ...]`` (natural log) in plain torch (float32 math): the
+    library's own torch path (:mod:`cp_attention.state`); returns ``(o, lse)``, ``o`` in ``o``'s dtype. The
+    callable is its own check value."""
+    return lambda: _merge_states_torch(o, lse)
 
 
 def flashinfer_merge_states(o, lse):

@@ -279,8 +279,7 @@ def _split_slots(split_size, t_max) -> int:
 def _exchange(q, local_into, *, group, return_lse, sinks):
     """``local_into(o_view, lse_view)`` writes this rank's unrounded fp32 state straight into the exchange
     buffer; one all-gather, then ⊕ across the ranks in rank order (bitwise identical on every rank), with the
-    attention sinks joined once."""
-    check_bool("return_lse", return_lse)
+    attention sinks joined once. The callers have checked ``return_lse``."""
     check_tensor("q", q, dtypes=FLOAT_DTYPES)
     d = q.shape[-1]
     packed = _dispatch.new_buffer(tuple(q.shape[:-1]) + (d + 1,), torch.float32, q.device)

@@ -83,6 +83,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cp_attention import AttentionState, merge_states  # noqa: E402
 from cp_attention.distributed import CPKVCache, init_distributed  # noqa: E402
+from cp_attention.reference import attention  # noqa: E402
 from launch.llama import CONFIGS, CheckpointError, inspect_checkpoint, load_checkpoint, random_model  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -181,15 +182,15 @@ def causal_state(q, k, v, scale: float, strict: bool) -> AttentionState:
 
 def masked_state(q, k, v, q_first: int, k_first: int, stride: int, scale: float, window_left) -> AttentionState:
     """State of queries at positions ``q_first + stride * i`` over keys at ``k_first + stride * j``: a query at
-    ``p`` sees the keys at ``[p - window_left, p]`` (``window_left=None``: ``[0, p]``). Plain torch, float32
-    scores, ``QUERY_CHUNK`` queries at a time against only the keys their positions can reach.
+    ``p`` sees the keys at ``[p - window_left, p]`` (``window_left=None``: ``[0, p]``). The plain-torch
+    attention of :func:`cp_attention.reference.attention` (float32 scores) with per-row key ranges,
+    ``QUERY_CHUNK`` queries at a time against only the keys their positions can reach.
 
     ``q [B, Hq, n, D]``, ``k``/``v [B, Hkv, m, D]`` -> ``AttentionState(o [B, Hq, n, D] in q's dtype,
     lse [B, Hq, n] float32, natural log)``; ``o = 0``, ``lse = -inf`` for a query that sees no key.
     """
     b, hq, n, d = q.shape
-    hkv, m = k.shape[1], k.shape[2]
-    group = hq // hkv
+    m = k.shape[2]
     o = torch.empty_like(q)
     lse = torch.empty(b, hq, n, dtype=torch.float32, device=q.device)
     for i0 in range(0, n, QUERY_CHUNK):
@@ -197,19 +198,16 @@ def masked_state(q, k, v, q_first: int, k_first: int, stride: int, scale: float,
         p_lo, p_hi = q_first + stride * i0, q_first + stride * (i1 - 1)
         j1 = max(0, min(m, (p_hi - k_first) // stride + 1))  # keys at positions <= p_hi
         j0 = 0 if window_left is None else min(j1, max(0, -(-(p_lo - window_left - k_first) // stride)))
+        # Row i sees the keys j with lo <= j < hi, i.e. at positions in [p - window_left, p].
         q_pos = q_first + stride * torch.arange(i0, i1, device=q.device)
-        k_pos = k_first + stride * torch.arange(j0, j1, device=q.device)
-        visible = k_pos[None, :] <= q_pos[:, None]  # [c, m']
-        if window_left is not None:
-            visible &= k_pos[None, :] >= q_pos[:, None] - window_left
-        qc = q[:, :, i0:i1].float().unflatten(1, (hkv, group))  # [B, Hkv, G, c, D]
-        kc, vc = (t[:, :, None, j0:j1].float() for t in (k, v))  # [B, Hkv, 1, m', D]
-        s = (qc @ kc.transpose(-1, -2)) * scale
-        s = s.masked_fill(~visible, float("-inf"))
-        lse_c = torch.logsumexp(s, dim=-1)  # [B, Hkv, G, c]
-        ref = torch.where(torch.isinf(lse_c), torch.zeros_like(lse_c), lse_c)
-        o[:, :, i0:i1] = (torch.exp(s - ref[..., None]) @ vc).flatten(1, 2).to(q.dtype)
-        lse[:, :, i0:i1] = lse_c.flatten(1, 2)
+        hi = torch.div(q_pos - k_first, stride, rounding_mode="floor") + 1
+        lo = torch.zeros_like(hi) if window_left is None else \
+            -torch.div(k_first + window_left - q_pos, stride, rounding_mode="floor")
+        limits = (torch.stack([lo, hi], dim=-1) - j0).expand(b, -1, 2)  # [B, c, 2], relative to key j0
+        st = attention(q[:, :, i0:i1].transpose(1, 2), k[:, :, j0:j1], v[:, :, j0:j1], sm_scale=scale,
+                       row_limits=limits)
+        o[:, :, i0:i1] = st.o.transpose(1, 2)
+        lse[:, :, i0:i1] = st.lse.transpose(1, 2)
     return AttentionState(o, lse)
 
 
