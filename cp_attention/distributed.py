@@ -193,6 +193,8 @@ def init_distributed(device_type: str = "cuda", timeout_s: float = 600.0) -> tor
     """
     if device_type not in ("cuda", "cpu"):
         raise ValueError(f"device_type must be 'cuda' or 'cpu', got {device_type!r}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real) or not timeout_s > 0:
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     timeout = datetime.timedelta(seconds=timeout_s)
     if device_type == "cpu":
         dist.init_process_group("gloo", timeout=timeout)
