@@ -7,13 +7,16 @@
     torchrun --standalone --nproc-per-node=2 benchmarks/bench_cp.py --batches 1 --contexts 32768 --cascade 128:32768:256
 
 bf16, Hq=32, Hkv=8, D=128 (options change them); B in --batches, T in --contexts. Per shape, median µs:
-``single``: flash_decode over the whole cache of T tokens on rank 0 alone (skipped when the cache would not
-fit in --max-gb); ``cp``: cp_flash_decode over W ranks holding T/W tokens each (contiguous placement),
-split into ``local`` (flash_decode on the shard) and ``merge`` (merge_across_ranks alone); ``tree`` (with
+``single``: flash_decode over the whole cache of T tokens on rank 0 alone, ``sdpa``: torch SDPA (default
+backend selection) on the same cache, ``best1`` the faster of the two (both skipped when the cache would not
+fit in --max-gb); ``cp_<exchange>``: cp_flash_decode over W ranks holding T/W tokens each (contiguous
+placement) with each exchange of --exchanges (``symm``: NVLink symmetric memory, ``collective``: NCCL
+all-gather; see cp_attention/exchange.py), split into ``local`` (flash_decode on the shard) and
+``merge_<exchange>`` (merge_across_ranks alone); ``exposed_<exchange>`` = cp − local; ``tree`` (with
 --tree): the merge done Tree-Attention style instead (all-reduce MAX of the lse, then one all-reduce SUM
 of the rescaled numerators and denominators). Each per call (eager) and per call in a CUDA graph of 20
 calls (``capture`` of benchmarks/_harness.py: warm-up on a side stream, then the calls captured in one
-graph; the replay time is divided by the number of calls, --graph-calls). speedup = single / cp. Times
+graph; the replay time is divided by the number of calls, --graph-calls). speedup = best1 / cp. Times
 are taken on every rank after a barrier; rank 0's are reported. Single-rank timings use the harness's
 ``bench_call`` (triton.testing.do_bench median, L2 flushed before each call); timings with collectives
 use the same method (L2 flush, CUDA events per call, median) with one iteration count agreed by all
@@ -43,9 +46,8 @@ from benchmarks._harness import (  # noqa: E402
 from cp_attention import AttentionState, CascadeLevel, cascade_decode, flash_decode  # noqa: E402
 from cp_attention.state import normalize, unnormalize  # noqa: E402
 from cp_attention.distributed import (cp_cascade_decode, cp_flash_decode, init_distributed,  # noqa: E402
-                                      merge_across_ranks, shard_kv)
-
-PARTS = ("local", "merge", "cp")
+                                      merge_across_ranks, set_exchange, shard_kv)
+from benchmarks.peers import sdpa_default  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -59,6 +61,11 @@ def parse_args(argv=None):
     p.add_argument("--max-gb", type=float, default=120.0, help="largest K+V cache one GPU may hold")
     p.add_argument("--rep-ms", type=int, default=100, help="timed milliseconds per measurement")
     p.add_argument("--tree", action="store_true", help="also time the Tree-Attention style merge")
+    p.add_argument("--split-size", type=int, default=None,
+                   help="also time the deterministic path: flash_decode(split_size=S) on one GPU and "
+                        "cp_flash_decode(split_size=S) (needs shards of a multiple of S tokens)")
+    p.add_argument("--exchanges", nargs="+", choices=("symm", "collective"), default=None,
+                   help="exchanges to time (default: symm and collective on CUDA, collective on CPU)")
     p.add_argument("--no-graph", action="store_true", help="per call (eager) only")
     p.add_argument("--graph-calls", type=int, default=GRAPH_CALLS, help="calls captured in one CUDA graph")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -68,6 +75,8 @@ def parse_args(argv=None):
                    help="also time cp_cascade_decode against one-GPU cascade_decode: B requests sharing a PREFIX "
                         "of tokens with OWN tokens each (e.g. 128:32768:256); both levels sharded contiguously")
     args = p.parse_args(argv)
+    if args.exchanges is None:
+        args.exchanges = ["symm", "collective"] if args.device == "cuda" else ["collective"]
     for name in ("batches", "contexts"):
         if min(getattr(args, name)) < 1:
             p.error(f"--{name} must be >= 1")
@@ -169,6 +178,15 @@ def measure(args, batch, context, timer, device):
             k = torch.empty(batch, hkv, context, d, device=device, dtype=dtype).normal_(generator=gen)
             v = torch.empty_like(k).normal_(generator=gen)
             timings(row, "single", lambda: flash_decode(q, k, v), timer, False, graph_calls)
+            if args.split_size and context % args.split_size == 0:
+                timings(row, "single_det", lambda: flash_decode(q, k, v, split_size=args.split_size), timer, False,
+                        graph_calls)
+            if device.type == "cuda":
+                timings(row, "sdpa", lambda: sdpa_default(q, k, v), timer, False, graph_calls)
+            for mode in ("call", "graph"):
+                best = [row[f"{w}_{mode}_us"] for w in ("single", "sdpa") if f"{w}_{mode}_us" in row]
+                if best:
+                    row[f"best1_{mode}_us"] = min(best)
             del k, v
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -184,24 +202,32 @@ def measure(args, batch, context, timer, device):
     ks = torch.empty(batch, hkv, shard, d, device=device, dtype=dtype).normal_(generator=own)
     vs = torch.empty_like(ks).normal_(generator=own)
     lens = torch.full((batch,), max(0, min(shard, context - rank * shard)), dtype=torch.int32, device=device)
-    o = cp_flash_decode(q, ks, vs, lens)  # checks once that every rank agrees on shapes
-    assert torch.isfinite(o).all(), "non-finite CP output"
     state = flash_decode(q, ks, vs, lens, return_lse=True)
-    parts = {
-        "local": (lambda: flash_decode(q, ks, vs, lens, return_lse=True), False),
-        "merge": (lambda: merge_across_ranks(state), True),
-        "cp": (lambda: cp_flash_decode(q, ks, vs, lens, check_metadata=False), True),
-    }
+    timings(row, "local", lambda: flash_decode(q, ks, vs, lens, return_lse=True), timer, False, graph_calls)
+    outs = {}
+    for exchange in args.exchanges:
+        set_exchange(exchange)
+        outs[exchange] = cp_flash_decode(q, ks, vs, lens)  # checks once that every rank agrees on shapes
+        assert torch.isfinite(outs[exchange]).all(), f"non-finite CP output ({exchange})"
+        timings(row, f"merge_{exchange}", lambda: merge_across_ranks(state), timer, True, graph_calls)
+        timings(row, f"cp_{exchange}", lambda: cp_flash_decode(q, ks, vs, lens, check_metadata=False), timer, True,
+                graph_calls)
+        for mode in ("call", "graph"):
+            if f"cp_{exchange}_{mode}_us" in row:
+                row[f"exposed_{exchange}_{mode}_us"] = row[f"cp_{exchange}_{mode}_us"] - row[f"local_{mode}_us"]
+            if f"best1_{mode}_us" in row and f"cp_{exchange}_{mode}_us" in row:
+                row[f"speedup_{exchange}_{mode}"] = row[f"best1_{mode}_us"] / row[f"cp_{exchange}_{mode}_us"]
+    set_exchange("auto")
+    if args.split_size and shard % args.split_size == 0:
+        cp_flash_decode(q, ks, vs, lens, split_size=args.split_size)
+        timings(row, "cp_det", lambda: cp_flash_decode(q, ks, vs, lens, split_size=args.split_size,
+                                                       check_metadata=False), timer, True, graph_calls)
+    first = outs[args.exchanges[0]]
+    row["exchanges_bitwise_equal"] = all(torch.equal(o, first) for o in outs.values())
     if args.tree:
-        parts["tree"] = (lambda: tree_merge(state), True)
-        ref = merge_across_ranks(state)
-        row["tree_maxdiff"] = max_abs_diff(tree_merge(state).o, ref.o)
-    for name, (fn, collective) in parts.items():
-        timings(row, name, fn, timer, collective, graph_calls)
+        timings(row, "tree", lambda: tree_merge(state), timer, True, graph_calls)
+        row["tree_maxdiff"] = max_abs_diff(tree_merge(state).o, merge_across_ranks(state).o)
     del ks, vs, state
-    for mode in ("call", "graph"):
-        if f"single_{mode}_us" in row and f"cp_{mode}_us" in row:
-            row[f"speedup_{mode}"] = row[f"single_{mode}_us"] / row[f"cp_{mode}_us"]
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
@@ -227,10 +253,15 @@ def measure_cascade(args, spec, timer, device):
     oks, ovs, o_lens = shard_kv(ok, ov, None, rank, world)
     shards = [CascadeLevel(pks, pvs, p_lens), CascadeLevel(oks, ovs, o_lens)]
     assert torch.isfinite(cp_cascade_decode(q, shards)).all(), "non-finite CP cascade output"
-    timings(row, "cp", lambda: cp_cascade_decode(q, shards, check_metadata=False), timer, True, graph_calls)
-    for mode in ("call", "graph"):
-        if f"single_{mode}_us" in row and f"cp_{mode}_us" in row:
-            row[f"speedup_{mode}"] = row[f"single_{mode}_us"] / row[f"cp_{mode}_us"]
+    for exchange in args.exchanges:
+        set_exchange(exchange)
+        cp_cascade_decode(q, shards)
+        timings(row, f"cp_{exchange}", lambda: cp_cascade_decode(q, shards, check_metadata=False), timer, True,
+                graph_calls)
+        for mode in ("call", "graph"):
+            if f"single_{mode}_us" in row and f"cp_{exchange}_{mode}_us" in row:
+                row[f"speedup_{exchange}_{mode}"] = row[f"single_{mode}_us"] / row[f"cp_{exchange}_{mode}_us"]
+    set_exchange("auto")
     del pk, pv, ok, ov, pks, pvs, oks, ovs
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -244,24 +275,25 @@ def plot(rows, args, world, path):
     import matplotlib.pyplot as plt
 
     fig, (ax_s, ax_t) = plt.subplots(1, 2, figsize=(13, 4.8))
+    mode = "call" if args.no_graph or all("local_graph_us" not in r for r in rows) else "graph"
     for b in args.batches:
         mine = [r for r in rows if r["batch"] == b]
-        for mode, style in (("call", "--"), ("graph", "-")):
-            pts = [(r["context"], r[f"speedup_{mode}"]) for r in mine if f"speedup_{mode}" in r]
+        for exchange, style in zip(args.exchanges, ("-", "--")):
+            pts = [(r["context"], r[f"speedup_{exchange}_{mode}"]) for r in mine if f"speedup_{exchange}_{mode}" in r]
             if pts:
-                ax_s.plot(*zip(*pts), style, marker="o", label=f"B={b} {mode}")
-        mode = "call" if args.no_graph or all("cp_graph_us" not in r for r in mine) else "graph"
-        for part, style in (("local", "-"), ("merge", ":")):
-            pts = [(r["context"], r[f"{part}_{mode}_us"]) for r in mine if f"{part}_{mode}_us" in r]
+                ax_s.plot(*zip(*pts), style, marker="o", label=f"B={b} {exchange}")
+            pts = [(r["context"], r[f"exposed_{exchange}_{mode}_us"]) for r in mine
+                   if f"exposed_{exchange}_{mode}_us" in r]
             if pts:
-                ax_t.plot(*zip(*pts), style, marker="o", label=f"B={b} {part} ({mode})")
+                ax_t.plot(*zip(*pts), style, marker="o", label=f"B={b} {exchange}")
     ax_s.axhline(world, color="grey", lw=0.8, ls=":", label=f"ideal ({world}x)")
     ax_s.axhline(1.0, color="black", lw=0.8)
-    ax_s.set(xscale="log", xlabel="context T (tokens)", ylabel="single-GPU time / CP time",
+    ax_s.set(xscale="log", xlabel="context T (tokens)", ylabel=f"best single-GPU time / CP time ({mode})",
              title=f"CP decode speedup, {world} ranks, {args.dtype} Hq={args.heads_q} Hkv={args.heads_kv} "
                    f"D={args.head_dim}")
-    ax_t.set(xscale="log", yscale="log", xlabel="context T (tokens)", ylabel="µs (median)",
-             title="CP time split: local attention vs merge_across_ranks")
+    ax_t.axhline(5.0, color="grey", lw=0.8, ls=":", label="5 µs")
+    ax_t.set(xscale="log", xlabel="context T (tokens)", ylabel=f"µs (median, {mode})",
+             title="exposed merge: CP step − local attention")
     for ax in (ax_s, ax_t):
         ax.set_xscale("log", base=2)
         ax.grid(alpha=0.3)
@@ -282,9 +314,11 @@ def main(argv=None):
             rows.append(measure(args, b, t, timer, device))
         cascade_rows = [measure_cascade(args, spec, timer, device) for spec in args.cascade]
         if rank == 0:
-            cols = ["batch", "context", "single_gb"] + [f"{p}_{m}_us" for p in ("single",) + PARTS
-                                                        for m in ("call", "graph")]
-            cols += ["speedup_call", "speedup_graph", "tree_call_us", "tree_graph_us"]
+            parts = ["single", "sdpa", "best1", "local"] + [f"{w}_{x}" for x in args.exchanges
+                                                            for w in ("merge", "cp", "exposed")]
+            cols = ["batch", "context"] + [f"{p}_{m}_us" for m in ("graph", "call") for p in parts]
+            cols += [f"speedup_{x}_{m}" for m in ("graph", "call") for x in args.exchanges]
+            cols += ["single_det_graph_us", "cp_det_graph_us", "exchanges_bitwise_equal", "tree_graph_us"]
             for r in rows:
                 if "tree_maxdiff" in r:
                     print(f"B={r['batch']} T={r['context']}: tree merge max |o - o_merge_across_ranks| "
@@ -299,8 +333,9 @@ def main(argv=None):
             print(f"wrote {path} and {png}")
             print(table(rows, cols))
             if cascade_rows:
-                print(table(cascade_rows, ["batch", "context", "single_call_us", "single_graph_us", "cp_call_us",
-                                           "cp_graph_us", "speedup_call", "speedup_graph"]))
+                print(table(cascade_rows, ["batch", "context", "single_graph_us", "single_call_us"]
+                            + [f"{c}_{x}_{m}" for x in args.exchanges for c, m in
+                               (("cp", "graph_us"), ("cp", "call_us"), ("speedup", "graph"), ("speedup", "call"))]))
     finally:
         dist.destroy_process_group()
 

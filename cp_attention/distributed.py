@@ -8,15 +8,18 @@ per-rank ``seq_lens``. Decode then takes three steps on every rank:
 
 1. local attention: ``flash_decode`` gives the state ``(o_r, lse_r)`` of this rank's keys (``lse_r =
    -inf``, ``o_r = 0`` for an empty shard), written unrounded (fp32) straight into one packed float32
-   buffer ``[B, Hq, D + 1]`` (``o_r`` then ``lse_r``);
-2. one all-gather of that buffer: a single collective of ``B * Hq * (D + 1)`` floats per rank moves both;
-3. ⊕ over the gathered ``[W, B, Hq, D]`` states with :func:`cp_attention.state.merge_states`
-   (max-subtracted, float32; see Note [The merge operator ⊕] in ``state.py``).
+   buffer ``[B, Hq, D + 1]`` (``o_r`` then ``lse_r``) that the group's exchange provides;
+2. the exchange moves the packed states of every rank (Note [Exchanges] in ``exchange.py``): over NVLink
+   symmetric memory, one kernel pushes them into every peer's buffer, waits for the peers' and merges;
+   otherwise one all-gather (NCCL, gloo) of ``B * Hq * (D + 1)`` floats per rank moves ``o`` and ``lse``
+   together;
+3. ⊕ over the ``W`` states in rank order (max-subtracted, float32; see Note [The merge operator ⊕] in
+   ``state.py``), the attention sinks joined once.
 
 The key sets of the ranks are disjoint and their union is the whole cache, so the result is the attention
-over the unsharded cache. Every rank merges the same gathered tensor in rank order with the same code, so
-the result is bitwise identical on every rank. An all-gather is used rather than Tree Attention's two
-all-reduces (a MAX of the lse, then a SUM of rescaled numerators and denominators): one collective instead
+over the unsharded cache. Every rank merges the same states in rank order with the same code, so the
+result is bitwise identical on every rank. Gathering the states is used rather than Tree Attention's two
+all-reduces (a MAX of the lse, then a SUM of rescaled numerators and denominators): one exchange instead
 of two, both tiny, and the merge order is fixed instead of being the reduction order of the backend.
 
 Placement. ``"contiguous"``: rank ``r`` owns cache positions ``[r*C, (r+1)*C)`` with
@@ -43,15 +46,14 @@ from ._validate import (check_bool, check_index_tensor, check_int, check_kv_layo
                         check_state, check_tensor)
 from .cascade import cascade_decode
 from .decode import check_decode_args, check_split_size, combine_exported, flash_decode
-from .state import AttentionState, merge_states
+from .exchange import _all_gather_single, exchange_for, set_exchange
+from .state import AttentionState
 
 __all__ = ["all_gather_states", "merge_across_ranks", "shard_kv", "cp_flash_decode", "cp_cascade_decode", "CPKVCache",
-           "init_distributed"]
+           "init_distributed", "set_exchange"]
 
 PLACEMENTS = ("contiguous", "interleaved")
 _DTYPE_CODES = {dtype: i + 1 for i, dtype in enumerate(FLOAT_DTYPES)}
-# torch >= 2.13 names the one-tensor all-gather all_gather_single; older releases all_gather_into_tensor.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def all_gather_states(state, group=None) -> AttentionState:
@@ -76,29 +78,19 @@ def all_gather_states(state, group=None) -> AttentionState:
     """
     check_state("state", state)
     o, lse = state
-    gathered = _all_gather_packed(_pack(o, lse), group)
+    exchange = exchange_for(group)
+    gathered = exchange.gather(_pack(o, lse, exchange))
     d = o.shape[-1]
     return AttentionState(gathered[..., :d].to(o.dtype), gathered[..., d])
 
 
-def _pack(o, lse) -> torch.Tensor:
-    """``[o (float32), lse]`` packed as ``[..., D + 1]`` float32."""
-    return torch.cat([o.float(), lse.unsqueeze(-1)], dim=-1)
-
-
-def _all_gather_packed(packed, group) -> torch.Tensor:
-    """One all-gather of packed states ``[..., D + 1]``: returns ``[W, ..., D + 1]``."""
-    world = dist.get_world_size(group)
-    gathered = _dispatch.new_buffer((world,) + tuple(packed.shape), torch.float32, packed.device)
-    # Flat 1-D buffers: every backend accepts a concatenation along dim 0 (gloo rejects a stack).
-    _all_gather_single(gathered.view(-1), packed.reshape(-1), group=group)
-    return gathered
-
-
-def _merge_packed(packed, group, out_dtype, sinks=None) -> AttentionState:
-    gathered = _all_gather_packed(packed, group)
-    d = packed.shape[-1] - 1
-    return merge_states(gathered[..., :d], gathered[..., d], out_dtype=out_dtype, sinks=sinks)
+def _pack(o, lse, exchange) -> torch.Tensor:
+    """``[o (float32), lse]`` packed as ``[..., D + 1]`` float32 in a buffer of ``exchange``."""
+    d = o.shape[-1]
+    packed = exchange.packed_buffer(tuple(o.shape[:-1]) + (d + 1,), o.device)
+    packed[..., :d].copy_(o)
+    packed[..., d].copy_(lse)
+    return packed
 
 
 def merge_across_ranks(state, group=None) -> AttentionState:
@@ -117,7 +109,8 @@ def merge_across_ranks(state, group=None) -> AttentionState:
     """
     check_state("state", state)
     o, lse = state
-    return _merge_packed(_pack(o, lse), group, o.dtype)
+    exchange = exchange_for(group)
+    return exchange.merge(_pack(o, lse, exchange), o.dtype)
 
 
 def _interleaved_counts(seq_lens: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
@@ -279,14 +272,15 @@ def _split_slots(split_size, t_max) -> int:
 
 
 def _exchange(q, local_into, *, group, return_lse, sinks):
-    """``local_into(o_view, lse_view)`` writes this rank's unrounded fp32 state straight into the exchange
-    buffer; one all-gather, then ⊕ across the ranks in rank order (bitwise identical on every rank), with the
-    attention sinks joined once. The callers have checked ``return_lse``."""
+    """``local_into(o_view, lse_view)`` writes this rank's unrounded fp32 state straight into the exchange's
+    buffer; the exchange then merges across the ranks in rank order (bitwise identical on every rank), with
+    the attention sinks joined once. The callers have checked ``return_lse``."""
     check_tensor("q", q, dtypes=FLOAT_DTYPES)
     d = q.shape[-1]
-    packed = _dispatch.new_buffer(tuple(q.shape[:-1]) + (d + 1,), torch.float32, q.device)
+    exchange = exchange_for(group)
+    packed = exchange.packed_buffer(tuple(q.shape[:-1]) + (d + 1,), q.device)
     local_into(packed[..., :d], packed[..., d])
-    merged = _merge_packed(packed, group, q.dtype, sinks)
+    merged = exchange.merge(packed, q.dtype, sinks)
     return merged if return_lse else merged.o
 
 
@@ -320,7 +314,7 @@ def _cp_decode_deterministic(q, k_shard, v_shard, seq_lens_shard, group, return_
     tiling = row_tiling(geo.q_rows, hq // geo.hkv)
     exported = _dispatch.new_buffer((export_floats(q.shape[0], geo.hkv, tiling, d, slots),), torch.float32, q.device)
     flash_decode(q, k_shard, v_shard, seq_lens_shard, _export=exported, **kwargs)
-    gathered = _all_gather_packed(exported, group)
+    gathered = exchange_for(group).gather(exported)
     o = _dispatch.new_buffer(tuple(q.shape), q.dtype, q.device)
     lse = _dispatch.new_buffer(tuple(q.shape[:-1]), torch.float32, q.device)
     combine_exported(q, geo.hkv, gathered, dist.get_world_size(group) * slots, o, lse, sinks)

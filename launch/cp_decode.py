@@ -4,6 +4,7 @@ token appended per step, every step's output checked against single-rank ``flash
 GPU (NCCL, one GPU per process)::
 
     torchrun --nproc-per-node=2 launch/cp_decode.py --context 1048576 --batch 1 --steps 32
+    torchrun --nproc-per-node=2 launch/cp_decode.py --context 131072 --cuda-graph --exchange symm collective
 
 CPU (gloo, Triton kernels under the interpreter)::
 
@@ -13,7 +14,9 @@ Contexts up to ``--check-context`` are generated whole on every rank (same seed)
 can check every step against the unsharded cache. Longer contexts generate only each rank's shard
 (seeded per rank) and are timed; a check run at ``--check-context`` tokens comes first. Sequences of a
 batch are ragged: sequence ``b`` starts with ``context - b * (context // (4 * batch))`` tokens.
-Exits non-zero when a check fails.
+``--exchange`` runs the whole thing once per exchange named (how the ranks' states meet: ``symm``,
+NVLink symmetric memory; ``collective``, NCCL all-gather; ``auto``, the library's choice; see
+cp_attention/exchange.py) and reports each one's step time. Exits non-zero when a check fails.
 """
 from __future__ import annotations
 
@@ -29,7 +32,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cp_attention import flash_decode  # noqa: E402
-from cp_attention.distributed import CPKVCache, init_distributed  # noqa: E402
+from cp_attention.distributed import CPKVCache, init_distributed, set_exchange  # noqa: E402
+from cp_attention.exchange import EXCHANGES, exchange_for  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # (atol, rtol) of the CP output against single-rank flash_decode: the CP path rounds the per-rank
@@ -50,6 +54,8 @@ def parse_args(argv=None):
     p.add_argument("--check-context", type=int, default=65536,
                    help="largest context generated whole and checked (longer ones are checked at this size)")
     p.add_argument("--cuda-graph", action="store_true", help="capture append + decode once, replay every step")
+    p.add_argument("--exchange", nargs="+", choices=EXCHANGES, default=["auto"],
+                   help="exchanges to run with, one after the other")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=int, default=600, help="process-group timeout")
     args = p.parse_args(argv)
@@ -82,7 +88,9 @@ def _graphed_step(cache, q_steps, kv_steps, device):
             cache.decode(q_in, check_metadata=False)
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):  # recorded, not run: the cache is not touched by the capture
+    # recorded, not run: the cache is not touched by the capture; thread_local: the NCCL watchdog thread's
+    # event queries must not invalidate it
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         cache.append(k_in, v_in)
         o_out = cache.decode(q_in, check_metadata=False)
 
@@ -166,13 +174,16 @@ def main(argv=None):
     try:
         runs = [(args.context, args.steps, True)] if args.context <= args.check_context else \
             [(args.check_context, min(args.steps, 4), True), (args.context, args.steps, False)]
-        for context, steps, check in runs:
-            median, max_err, ok = run(args, device, context, steps, check)
-            if rank == 0:
+        for exchange in args.exchange:
+            set_exchange(exchange)
+            for context, steps, check in runs:
+                median, max_err, ok = run(args, device, context, steps, check)
+                if rank != 0:
+                    continue
                 mode = "cuda-graph" if args.cuda_graph else "eager"
                 line = (f"[cp_decode] W={world} {args.device} {args.dtype} B={args.batch} Hq={args.heads_q} "
-                        f"Hkv={args.heads_kv} D={args.head_dim} context={context} steps={steps} {mode}: "
-                        f"median step (append + decode) {median * 1e3:.3f} ms")
+                        f"Hkv={args.heads_kv} D={args.head_dim} context={context} steps={steps} {mode} "
+                        f"exchange={exchange_for(None).name}: median step (append + decode) {median * 1e3:.3f} ms")
                 if check:
                     line += f"; max |err| vs single-rank flash_decode {max_err:.3e} -> {'PASS' if ok else 'FAIL'}"
                     passed &= ok

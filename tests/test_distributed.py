@@ -537,6 +537,28 @@ def test_cache_appends_equal_unsharded(pool, world, case, interpret):
     assert all(torch.equal(o, outs[0]) for o in outs)
 
 
+def case_exchange_choice(rank, world):
+    """On gloo the exchange is the collective one whatever is asked, "symm" raises on every rank, and a bad
+    name raises before anything is exchanged."""
+    from cp_attention.distributed import set_exchange
+    from cp_attention.exchange import CollectiveExchange, exchange_for
+
+    with pytest.raises(ValueError, match="kind must be one of"):
+        set_exchange("nvshmem")
+    set_exchange("symm")
+    with pytest.raises(ValueError, match="set_exchange\\('symm'\\)"):
+        exchange_for(None)
+    set_exchange("auto")
+    assert type(exchange_for(None)) is CollectiveExchange
+    q, k = torch.ones(2, 8, 32), torch.ones(2, 2, 8, 32)
+    torch.testing.assert_close(cp_flash_decode(q, k, k, torch.tensor([5, 3])), torch.ones_like(q))
+    return exchange_for(None).name
+
+
+def test_exchange_choice_on_gloo(pool):
+    assert pool(2).run(case_exchange_choice) == ["collective", "collective"]
+
+
 @pytest.mark.parametrize("world, what", [(2, "heads"), (3, "batch"), (2, "head-dim"), (2, "dtype"),
                                          (3, "sm-scale"), (2, "bad-seq-lens")],
                          ids=lambda x: f"W{x}" if isinstance(x, int) else x)

@@ -1,6 +1,7 @@
 """GPU-only checks (skipped without CUDA): CUDA-graph capture and replay with new inputs of flash_decode,
-cascade_decode and CPKVCache (append + decode, over NCCL), long bf16 caches against the float64 oracle,
-and the merge kernel against the float64 merge formula."""
+cascade_decode and CPKVCache (append + decode, over symmetric memory and over NCCL), the symmetric-memory
+merge replayed back to back, long bf16 caches against the float64 oracle, and the merge kernel against the
+float64 merge formula."""
 import datetime
 import os
 
@@ -10,7 +11,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from cp_attention import CascadeLevel, cascade_decode, flash_decode, merge_states
-from cp_attention.distributed import CPKVCache
+from cp_attention.distributed import CPKVCache, cp_flash_decode, set_exchange, shard_kv
+from cp_attention.exchange import exchange_for
 from cp_attention.reference import attention
 
 pytestmark = pytest.mark.gpu
@@ -86,72 +88,130 @@ def test_cascade_graph_replay_with_new_inputs():
             torch.testing.assert_close(out.lse[i:i + 1].double(), ref.lse, atol=1e-3, rtol=1e-4)
 
 
-def _cp_cache_graph_worker(rank, world, init_file, errors):
-    try:
-        torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=60))
-        dev = torch.device("cuda", rank)
-        b, hq, hkv, d, prefix, steps, dt = 2, 32, 8, 128, 5000, 6, torch.bfloat16
-        g = torch.Generator(dev).manual_seed(0)  # the same inputs on every rank
-        k = torch.randn(b, hkv, prefix, d, generator=g, device=dev, dtype=dt)
-        v = torch.randn(b, hkv, prefix, d, generator=g, device=dev, dtype=dt)
-        lens = torch.tensor([prefix, 1234], device=dev)
-        q_steps = torch.randn(steps, b, hq, d, generator=g, device=dev, dtype=dt)
-        kv_steps = torch.randn(2, steps, b, hkv, d, generator=g, device=dev, dtype=dt)
-        cache = CPKVCache.from_prefix(k, v, lens, prefix + steps)
-        cache.decode(q_steps[0], check_metadata=True)
-        q_in, k_in, v_in = q_steps[0].clone(), kv_steps[0, 0].clone(), kv_steps[1, 0].clone()
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                cache.decode(q_in, check_metadata=False)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        torch.cuda.synchronize(dev)
-        dist.barrier()
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: the NCCL watchdog thread's event queries must not invalidate the capture
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            cache.append(k_in, v_in)
-            o_out = cache.decode(q_in, check_metadata=False)
-        full_k = torch.nn.functional.pad(k, (0, 0, 0, steps))
-        full_v = torch.nn.functional.pad(v, (0, 0, 0, steps))
-        rows = torch.arange(b, device=dev)
-        outs = []
-        for s in range(steps):
-            q_in.copy_(q_steps[s])
-            k_in.copy_(kv_steps[0, s])
-            v_in.copy_(kv_steps[1, s])
-            graph.replay()
-            full_k[rows, :, lens + s] = kv_steps[0, s]
-            full_v[rows, :, lens + s] = kv_steps[1, s]
-            ref = attention(q_steps[s].double(), full_k.double(), full_v.double(), lens + s + 1)
-            torch.testing.assert_close(o_out.double(), ref.o, atol=2e-2, rtol=2e-2)
-            outs.append(o_out.clone())
-        gathered = [torch.empty_like(outs[-1]) for _ in range(world)]
-        dist.all_gather(gathered, outs[-1])
-        assert all(torch.equal(x, gathered[0]) for x in gathered), "ranks differ"
-        dist.destroy_process_group()
-    except Exception:  # reported to the parent
-        import traceback
+def _init_nccl(rank, world, init_file, exchange):
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60), device_id=torch.device("cuda", rank))
+    set_exchange(exchange)
+    return torch.device("cuda", rank)
 
-        errors.put(f"rank {rank}: {traceback.format_exc()}")
+
+def _cp_cache_graph_worker(rank, world, init_file, exchange):
+    # An exception ends this process with an error, and torch.multiprocessing then ends the other ranks.
+    dev = _init_nccl(rank, world, init_file, exchange)
+    b, hq, hkv, d, prefix, steps, dt = 2, 32, 8, 128, 5000, 6, torch.bfloat16
+    g = torch.Generator(dev).manual_seed(0)  # the same inputs on every rank
+    k = torch.randn(b, hkv, prefix, d, generator=g, device=dev, dtype=dt)
+    v = torch.randn(b, hkv, prefix, d, generator=g, device=dev, dtype=dt)
+    lens = torch.tensor([prefix, 1234], device=dev)
+    q_steps = torch.randn(steps, b, hq, d, generator=g, device=dev, dtype=dt)
+    kv_steps = torch.randn(2, steps, b, hkv, d, generator=g, device=dev, dtype=dt)
+    cache = CPKVCache.from_prefix(k, v, lens, prefix + steps)
+    cache.decode(q_steps[0], check_metadata=True)
+    assert exchange_for(None).name == exchange
+    q_in, k_in, v_in = q_steps[0].clone(), kv_steps[0, 0].clone(), kv_steps[1, 0].clone()
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            cache.decode(q_in, check_metadata=False)
+    torch.cuda.current_stream(dev).wait_stream(side)
+    torch.cuda.synchronize(dev)
+    dist.barrier()
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: the NCCL watchdog thread's event queries must not invalidate the capture
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        cache.append(k_in, v_in)
+        o_out = cache.decode(q_in, check_metadata=False)
+    full_k = torch.nn.functional.pad(k, (0, 0, 0, steps))
+    full_v = torch.nn.functional.pad(v, (0, 0, 0, steps))
+    rows = torch.arange(b, device=dev)
+    outs = []
+    for s in range(steps):
+        q_in.copy_(q_steps[s])
+        k_in.copy_(kv_steps[0, s])
+        v_in.copy_(kv_steps[1, s])
+        graph.replay()
+        full_k[rows, :, lens + s] = kv_steps[0, s]
+        full_v[rows, :, lens + s] = kv_steps[1, s]
+        ref = attention(q_steps[s].double(), full_k.double(), full_v.double(), lens + s + 1)
+        torch.testing.assert_close(o_out.double(), ref.o, atol=2e-2, rtol=2e-2)
+        outs.append(o_out.clone())
+    gathered = [torch.empty_like(outs[-1]) for _ in range(world)]
+    dist.all_gather(gathered, outs[-1])
+    assert all(torch.equal(x, gathered[0]) for x in gathered), "ranks differ"
+    dist.destroy_process_group()
+
+
+def _spawn(worker, *args):
+    os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"})
+    world = min(2, torch.cuda.device_count())
+    mp.start_processes(worker, args=(world, *args), nprocs=world, start_method="spawn", join=True)
 
 
 @pytest.mark.timeout(240)
-def test_cp_cache_graph_replay_with_new_tokens(tmp_path):
-    """CPKVCache append + decode captured in one CUDA graph over NCCL (all GPUs, at most 2 ranks), replayed
-    step after step with new tokens and queries; every step equals the float64 oracle on the unsharded
-    cache and the ranks agree bitwise."""
-    world = min(2, torch.cuda.device_count())
-    ctx = mp.get_context("spawn")
-    errors = ctx.Queue()
-    env = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
-    os.environ.update(env)
-    mp.start_processes(_cp_cache_graph_worker, args=(world, str(tmp_path / "init"), errors), nprocs=world,
-                       start_method="spawn", join=True)
-    assert errors.empty(), errors.get()
+@pytest.mark.parametrize("exchange", ["symm", "collective"])
+def test_cp_cache_graph_replay_with_new_tokens(tmp_path, exchange):
+    """CPKVCache append + decode captured in one CUDA graph (all GPUs, at most 2 ranks), replayed step after
+    step with new tokens and queries, with either exchange; every step equals the float64 oracle on the
+    unsharded cache and the ranks agree bitwise."""
+    if exchange == "symm" and torch.cuda.device_count() < 2:
+        pytest.skip("the symmetric-memory exchange needs 2 GPUs")
+    _spawn(_cp_cache_graph_worker, str(tmp_path / "init"), exchange)
+
+
+def _symm_replay_worker(rank, world, init_file, exchange):
+    dev = _init_nccl(rank, world, init_file, exchange)
+    b, hq, hkv, d, t, dt = 3, 32, 8, 128, 3001, torch.bfloat16
+    g = torch.Generator(dev).manual_seed(1)
+    q_a, q_b = (torch.randn(b, hq, d, generator=g, device=dev, dtype=dt) for _ in range(2))
+    k = torch.randn(b, hkv, t, d, generator=g, device=dev, dtype=dt)
+    v = torch.randn(b, hkv, t, d, generator=g, device=dev, dtype=dt)
+    lens = torch.tensor([t, 17, 0], device=dev)
+    sinks = torch.randn(hq, generator=g, device=dev)
+    ks, vs, ls = shard_kv(k, v, lens, rank, world)
+
+    def step(q):
+        return cp_flash_decode(q, ks, vs, ls, check_metadata=False, sinks=sinks, return_lse=True)
+
+    want = {}
+    for name, q in (("a", q_a), ("b", q_b)):
+        want[name] = step(q)
+        ref = attention(q.double(), k.double(), v.double(), lens, sinks=sinks.double())
+        torch.testing.assert_close(want[name].o.double(), ref.o, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(want[name].lse.double(), ref.lse, atol=1e-3, rtol=1e-4)
+    set_exchange("collective")
+    other = step(q_a)  # the all-gather path merges in the same order with the same arithmetic
+    assert torch.equal(other.o, want["a"].o) and torch.equal(other.lse, want["a"].lse), "exchanges differ"
+    set_exchange(exchange)
+    q_in = q_a.clone()
+    step(q_in)
+    torch.cuda.synchronize(dev)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        out = step(q_in)
+    for i in range(300):  # the flags protocol holds replay after replay, back to back
+        name = "ab"[i % 2]
+        q_in.copy_(q_a if name == "a" else q_b)
+        graph.replay()
+        if i % 50 < 2:
+            assert torch.equal(out.o, want[name].o) and torch.equal(out.lse, want[name].lse), f"replay {i}"
+    for _ in range(100):  # eager calls back to back, no sync between them
+        last = step(q_b)
+    assert torch.equal(last.o, want["b"].o)
+    gathered = [torch.empty_like(last.o) for _ in range(world)]
+    dist.all_gather(gathered, last.o)
+    assert all(torch.equal(x, gathered[0]) for x in gathered), "ranks differ"
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(240)
+def test_symm_exchange_replays_bitwise(tmp_path):
+    """The symmetric-memory merge (sinks included) equals the float64 oracle, equals the all-gather path
+    bitwise, and gives the same bits over 300 back-to-back CUDA-graph replays and 100 eager calls."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    _spawn(_symm_replay_worker, str(tmp_path / "init"), "symm")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=lambda d: str(d)[6:])

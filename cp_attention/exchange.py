@@ -1,0 +1,197 @@
+"""How per-rank attention states travel between the ranks of a group, chosen once per group.
+
+Note [Exchanges]
+----------------
+Context-parallel decode ends with ⊕ over every rank's packed states ``[..., D + 1]`` float32 (``o`` then
+``lse``; Note [Context-parallel decode]). Two exchanges implement it behind one interface:
+
+* :class:`CollectiveExchange` (NCCL on GPUs, gloo on CPUs): one all-gather of the packed states, then the
+  merge kernel over the gathered ``[W, ..., D + 1]`` in rank order;
+* :class:`SymmMemExchange` (GPUs of one host with NVLink P2P): the local attention writes its states into
+  this rank's slot of a persistent symmetric buffer, and one kernel pushes them into every peer's buffer,
+  signals, waits for the peers and merges (Note [Symmetric-memory merge] in ``ops/symm_merge.py``). No
+  collective launch, no host synchronisation; a buffer per (shape, device), allocated at the first call of
+  that shape (a collective: every rank makes the same calls) and reused by every later call and CUDA-graph
+  replay. A call of a new shape inside a CUDA-graph capture cannot allocate: it takes the collective path
+  (warm up with the shapes you capture). NVLink multicast is never used (``TORCH_SYMM_MEM_DISABLE_MULTICAST``
+  defaults to 1 here).
+
+Both merge the same states in rank order, so every rank's result is bitwise identical; which exchange a
+group uses is decided once, on the first call, from facts every rank agrees on (:func:`exchange_for`), or
+set with :func:`set_exchange` (``"auto"``, ``"symm"``, ``"collective"``).
+"""
+from __future__ import annotations
+
+import math
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from . import _dispatch
+from .state import AttentionState, merge_states
+
+EXCHANGES = ("auto", "symm", "collective")
+# torch >= 2.13 names the one-tensor all-gather all_gather_single; older releases all_gather_into_tensor.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class CollectiveExchange:
+    """One all-gather (NCCL or gloo) of the packed states, then ⊕ over them in rank order."""
+
+    name = "collective"
+
+    def __init__(self, group):
+        self.group = group
+        self.world = dist.get_world_size(group)
+
+    def packed_buffer(self, shape, device) -> torch.Tensor:
+        """A float32 buffer ``shape = [..., D + 1]`` for this rank's packed states."""
+        return _dispatch.new_buffer(tuple(shape), torch.float32, device)
+
+    def gather(self, packed) -> torch.Tensor:
+        """``[W, *packed.shape]``: every rank's ``packed`` in rank order."""
+        gathered = _dispatch.new_buffer((self.world,) + tuple(packed.shape), torch.float32, packed.device)
+        # Flat 1-D buffers: every backend accepts a concatenation along dim 0 (gloo rejects a stack).
+        _all_gather_single(gathered.view(-1), packed.reshape(-1), group=self.group)
+        return gathered
+
+    def merge(self, packed, out_dtype, sinks=None) -> AttentionState:
+        """⊕ of every rank's packed states ``[..., D + 1]``: ``o [..., D]`` in ``out_dtype``, ``lse [...]``."""
+        gathered = self.gather(packed)
+        d = packed.shape[-1] - 1
+        return merge_states(gathered[..., :d], gathered[..., d], out_dtype=out_dtype, sinks=sinks)
+
+
+class SymmMemExchange(CollectiveExchange):
+    """Push, signal, wait and merge in one kernel over NVLink symmetric memory (see the Note)."""
+
+    name = "symm"
+
+    def __init__(self, group):
+        super().__init__(group)
+        self.rank = dist.get_rank(group)
+        self.group_name = group.group_name if group is not None else dist.group.WORLD.group_name
+        self._buffers = {}  # (shape, device index) -> (handle, slots [W, *shape], buffer addresses [W])
+
+    def _buffer(self, shape, device):
+        key = (tuple(shape), device.index)
+        entry = self._buffers.get(key)
+        if entry is None and not torch.cuda.is_current_stream_capturing():
+            entry = self._buffers[key] = self._allocate(tuple(shape), device)
+        return entry
+
+    def _allocate(self, shape, device):
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        from .ops.symm_merge import flag_words
+
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        d = shape[-1] - 1
+        m = math.prod(shape[:-1])
+        data_words = self.world * m * (d + 1)
+        with torch.cuda.device(device):
+            buf = symm_mem.empty(data_words + flag_words(m, d, self.world), dtype=torch.float32, device=device)
+            handle = symm_mem.rendezvous(buf, self.group_name)
+            flags = buf[data_words:].view(torch.int32).view(2, -1, self.world)
+            flags[0].zero_()  # ready: nothing pushed yet
+            flags[1].fill_(1)  # done: every peer may push
+            ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
+            torch.cuda.synchronize(device)
+        dist.barrier(group=self.group, device_ids=[device.index])  # every rank's flags are set before any push
+        slots = buf[:data_words].view((self.world,) + shape)
+        return handle, slots, ptrs
+
+    def packed_buffer(self, shape, device) -> torch.Tensor:
+        entry = self._buffer(shape, device) if device.type == "cuda" else None
+        if entry is None:
+            return super().packed_buffer(shape, device)
+        slot = entry[1][self.rank]
+        if _dispatch.POISON_OUTPUTS:
+            slot.fill_(float("nan"))
+        return slot
+
+    def merge(self, packed, out_dtype, sinks=None) -> AttentionState:
+        entry = self._buffers.get((tuple(packed.shape), packed.device.index)) if packed.is_cuda else None
+        if entry is None or packed.data_ptr() != entry[1][self.rank].data_ptr():
+            return super().merge(packed, out_dtype, sinks)  # not in a symmetric buffer (see the Note)
+        from .ops.symm_merge import symm_merge_into
+
+        d = packed.shape[-1] - 1
+        lead = tuple(packed.shape[:-1])
+        m = math.prod(lead)
+        o = _dispatch.new_buffer(lead + (d,), out_dtype, packed.device)
+        lse = _dispatch.new_buffer(lead, torch.float32, packed.device)
+        if m:
+            symm_merge_into(entry[2], self.rank, self.world, m, d, o.view(m, d), lse.view(m), sinks=sinks)
+        return AttentionState(o, lse)
+
+
+_CHOICE = {}  # group name -> "auto" | "symm" | "collective" (set_exchange)
+_EXCHANGES = {}  # (group name, kind) -> the exchange (kept, with its buffers, when the choice changes)
+_IN_USE = {}  # group (None for the world) -> its exchange now: the hot path's one lookup
+
+
+def _group_name(group) -> str:
+    return (group if group is not None else dist.group.WORLD).group_name
+
+
+def set_exchange(kind: str = "auto", group=None) -> None:
+    """Choose how ``group`` exchanges states (every rank calls it alike, before the next CP call):
+    ``"symm"`` (NVLink symmetric memory; raises ``ValueError`` at the next call if the group's GPUs cannot
+    use it), ``"collective"`` (NCCL / gloo all-gather) or ``"auto"`` (symm where possible, the default).
+
+    >>> set_exchange("collective")      # e.g. to compare against NCCL in a benchmark
+    """
+    if kind not in EXCHANGES:
+        raise ValueError(f"kind must be one of {EXCHANGES}, got {kind!r}")
+    _CHOICE[_group_name(group)] = kind
+    _IN_USE.clear()
+
+
+def _p2p_capable(group) -> bool:
+    """Every rank of ``group`` is a CUDA device of this host with P2P access to every other rank's (all
+    ranks agree: the facts are all-gathered)."""
+    mine = (socket.gethostname(), torch.cuda.current_device())
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    ok = all(host == mine[0] for host, _ in everyone) and all(
+        dev == mine[1] or torch.cuda.can_device_access_peer(mine[1], dev) for _, dev in everyone)
+    try:
+        from torch.distributed import _symmetric_memory  # noqa: F401
+    except ImportError:
+        ok = False
+    votes = [None] * len(everyone)
+    dist.all_gather_object(votes, ok, group=group)
+    return all(votes)
+
+
+def exchange_for(group) -> CollectiveExchange:
+    """The exchange of ``group`` (decided at its first call, see Note [Exchanges])."""
+    exchange = _IN_USE.get(group)
+    if exchange is not None:
+        return exchange
+    name = _group_name(group)
+    kind = _CHOICE.get(name) or os.environ.get("CP_ATTENTION_EXCHANGE", "auto")
+    exchange = _EXCHANGES.get((name, kind))
+    if exchange is not None:
+        _IN_USE[group] = exchange
+        return exchange
+    if kind not in EXCHANGES:
+        raise ValueError(f"CP_ATTENTION_EXCHANGE must be one of {EXCHANGES}, got {kind!r}")
+    backend = str(dist.get_backend(group))
+    gpu = "nccl" in backend and "gloo" not in backend
+    capturing = gpu and torch.cuda.is_current_stream_capturing()
+    if kind == "collective" or (kind == "auto" and (not gpu or capturing)):
+        exchange = CollectiveExchange(group)
+    elif gpu and not capturing and _p2p_capable(group):
+        exchange = SymmMemExchange(group)
+    elif kind == "symm":
+        raise ValueError("set_exchange('symm'): the group is not NCCL over CUDA devices of one host with P2P access"
+                         + (" (or the first call is being captured in a CUDA graph)" if capturing else ""))
+    else:
+        exchange = CollectiveExchange(group)
+    if not capturing:
+        _EXCHANGES[(name, kind)] = _IN_USE[group] = exchange
+    return exchange
