@@ -20,7 +20,8 @@ prompt 0], ...], "prefill_s": ..., "decode_step_s": [...], "decode_tokens_per_s"
 
 ``--fill-context T`` replaces the prompts' prefill by ``T`` positions of random K/V per sequence (each rank
 generates only its shard), then decodes from each prompt's last token: for timing long contexts only, the
-tokens mean nothing (the JSON says so). Bad checkpoints (unsupported architecture, head dim outside the
+tokens mean nothing (the JSON says so). Several values (``--fill-context 32768 131072``) run one after the
+other with the same weights; ``OUT.json`` then holds ``{"runs": [one result per context]}``. Bad checkpoints (unsupported architecture, head dim outside the
 kernels' range, missing tensor) fail with a message before any process group is formed.
 
 Note [Context-parallel prefill]
@@ -103,8 +104,9 @@ def parse_args(argv=None):
     p.add_argument("--output", type=Path, help="JSON written by rank 0 (default: printed)")
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="capture the decode step in one CUDA graph (default: on for cuda)")
-    p.add_argument("--fill-context", type=int, metavar="T",
-                   help="timing only: T positions of random K/V per sequence instead of the prompts' prefill")
+    p.add_argument("--fill-context", type=int, nargs="+", metavar="T",
+                   help="timing only: T positions of random K/V per sequence instead of the prompts' prefill "
+                        "(several: one run each)")
     p.add_argument("--logits", action="store_true", help="also write the prefill's last-position logits")
     p.add_argument("--prefill-runs", type=int, default=1, metavar="R",
                    help="run the prefill R times (the same result; later runs time it without one-time set-up)")
@@ -115,7 +117,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.new_tokens < 1:
         p.error("--new-tokens must be >= 1")
-    if args.fill_context is not None and args.fill_context < 1:
+    if args.fill_context is not None and min(args.fill_context) < 1:
         p.error("--fill-context must be >= 1")
     if args.cuda_graph is None:
         args.cuda_graph = args.device == "cuda"
@@ -310,7 +312,9 @@ def decode(model, caches, first, steps: int, args, device):
         if s == warmup and args.cuda_graph:
             torch.cuda.current_stream(device).wait_stream(side)
             static_in, graph = tok.clone(), torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):  # recorded, not run: the caches are not touched by the capture
+            # recorded, not run: the caches are not touched by the capture; thread_local: the NCCL watchdog
+            # thread's event queries must not invalidate it
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 static_out = decode_step(model, caches, static_in)
         sync(device)
         t0 = time.perf_counter()
@@ -349,18 +353,19 @@ def profile_table(prof, steps: int, cuda: bool, top: int = 30) -> dict:
 # ------------------------------------------------------------------------------------------------------
 
 
-def run(args, model, prompts, device) -> dict:
+def run(args, model, prompts, device, fill_context=None) -> dict:
+    """Prefill the prompts (or fill ``fill_context`` random positions), then decode; the result dict."""
     rank, world = dist.get_rank(), dist.get_world_size()
     margs = model.args
     b = len(prompts)
-    context = args.fill_context or max(len(p) for p in prompts)
+    context = fill_context or max(len(p) for p in prompts)
     caches = [CPKVCache(b, margs.n_kv_heads, margs.head_dim, context + args.new_tokens, dtype=args.dtype,
                         device=device, rank=rank, world_size=world) for _ in range(margs.n_layers)]
     result = {"world_size": world, "device": device.type, "dtype": str(args.dtype).replace("torch.", ""),
               "model": args.random_config or str(args.model), "batch": b,
               "prompt_lens": [len(p) for p in prompts], "new_tokens": args.new_tokens,
               "cuda_graph": args.cuda_graph}
-    if args.fill_context is None:
+    if fill_context is None:
         runs = []
         for _ in range(args.prefill_runs):
             dist.barrier()
@@ -375,8 +380,8 @@ def run(args, model, prompts, device) -> dict:
             result["prefill_logits"] = logits.float().cpu().tolist()
         steps, generated = args.new_tokens - 1, [first[:, None]]
     else:
-        fill_synthetic(caches, args.fill_context, args.seed)
-        result["synthetic_context"] = args.fill_context
+        fill_synthetic(caches, fill_context, args.seed)
+        result["synthetic_context"] = fill_context
         result["note"] = ("--fill-context: each sequence's context is random K/V, not the prompt; for timing only, "
                           "the tokens are not meaningful")
         first = torch.tensor([p[-1] for p in prompts], device=device)
@@ -416,18 +421,24 @@ def main(argv=None):
                 model = random_model(margs, device, args.dtype, args.seed)
             else:
                 model = load_checkpoint(margs, files, device, args.dtype)
-            result = run(args, model, prompts, device)
+            results = []
+            for fill in args.fill_context or [None]:
+                results.append(run(args, model, prompts, device, fill))
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()  # the last run's caches and graph
         if dist.get_rank() == 0:
+            result = results[0] if len(results) == 1 else {"runs": results}
             text = json.dumps(result, indent=1)
             if args.output is None:
                 print(text)
             else:
                 args.output.write_text(text + "\n")
-                prefill_s, rate = result.get("prefill_s"), result["decode_tokens_per_s"]
-                print(f"[generate] W={result['world_size']} {result['device']} {result['dtype']} B={result['batch']} "
-                      f"context={args.fill_context or max(result['prompt_lens'])} new={args.new_tokens}: prefill "
-                      f"{'skipped' if prefill_s is None else f'{prefill_s:.3f} s'}, decode "
-                      f"{'n/a' if rate is None else f'{rate:.1f} tokens/s'} -> {args.output}", flush=True)
+                for res in results:
+                    prefill_s, rate = res.get("prefill_s"), res["decode_tokens_per_s"]
+                    print(f"[generate] W={res['world_size']} {res['device']} {res['dtype']} B={res['batch']} "
+                          f"context={res.get('synthetic_context') or max(res['prompt_lens'])} "
+                          f"new={args.new_tokens}: prefill {'skipped' if prefill_s is None else f'{prefill_s:.3f} s'}, "
+                          f"decode {'n/a' if rate is None else f'{rate:.1f} tokens/s'} -> {args.output}", flush=True)
     finally:
         dist.destroy_process_group()
 

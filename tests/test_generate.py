@@ -199,6 +199,16 @@ def test_random_config_fill_context(tmp_path):
     assert out["profile"]["total_us_per_step"] > 0 and out["profile"]["top"]
 
 
+def test_several_fill_contexts_run_in_one_launch(tmp_path):
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([[3]]))
+    proc, out = run_generate(tmp_path, ["--random-config", "tiny", "--prompts", prompts, "--fill-context", 9, 31],
+                             world=2)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert [r["synthetic_context"] for r in out["runs"]] == [9, 31]
+    assert all(len(r["tokens"][0]) == NEW_TOKENS and r["decode_tokens_per_s"] > 0 for r in out["runs"])
+
+
 # ------------------------------------------------------------------------------------------------------
 # The prefill's attention states (natural-log LSE) against a float64 oracle
 
