@@ -47,7 +47,8 @@ from cp_attention import AttentionState, CascadeLevel, cascade_decode, flash_dec
 from cp_attention.state import normalize, unnormalize  # noqa: E402
 from cp_attention.distributed import (cp_cascade_decode, cp_flash_decode, init_distributed,  # noqa: E402
                                       merge_across_ranks, set_exchange, shard_kv)
-from benchmarks.peers import sdpa_default  # noqa: E402
+from benchmarks.peers import page_table, paged, sdpa_default  # noqa: E402
+from cp_attention import quantize_kv  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -61,6 +62,10 @@ def parse_args(argv=None):
     p.add_argument("--max-gb", type=float, default=120.0, help="largest K+V cache one GPU may hold")
     p.add_argument("--rep-ms", type=int, default=100, help="timed milliseconds per measurement")
     p.add_argument("--tree", action="store_true", help="also time the Tree-Attention style merge")
+    p.add_argument("--page-size", type=int, default=None,
+                   help="paged caches: every cache (whole and shards) as NHD page pools of this many slots")
+    p.add_argument("--fp8", action="store_true",
+                   help="FP8 e4m3 caches (cp_attention.quantize_kv, per-tensor scales; SDPA is then left out)")
     p.add_argument("--split-size", type=int, default=None,
                    help="also time the deterministic path: flash_decode(split_size=S) on one GPU and "
                         "cp_flash_decode(split_size=S) (needs shards of a multiple of S tokens)")
@@ -164,6 +169,20 @@ def timings(row, prefix, fn, timer, collective, graph_calls):
         torch.cuda.empty_cache()
 
 
+def cache_args(args, k, v):
+    """``(k, v, kwargs)`` for flash_decode / cp_flash_decode: the dense bf16 cache as it is, or FP8
+    (--fp8) and/or paged (--page-size) copies of it; the originals are not kept."""
+    kwargs = {}
+    if args.fp8:
+        k, v, k_scale, v_scale = quantize_kv(k, v)
+        kwargs.update(k_scale=k_scale, v_scale=v_scale)
+    if args.page_size:
+        b, _, t, _ = k.shape
+        k, v = paged(k, args.page_size), paged(v, args.page_size)
+        kwargs.update(block_table=page_table(b, t // args.page_size, k.device), kv_layout="NHD")
+    return k, v, kwargs
+
+
 def measure(args, batch, context, timer, device):
     """One shape: the single-GPU baseline on rank 0, then the CP parts on every rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -177,12 +196,14 @@ def measure(args, batch, context, timer, device):
         if rank == 0:
             k = torch.empty(batch, hkv, context, d, device=device, dtype=dtype).normal_(generator=gen)
             v = torch.empty_like(k).normal_(generator=gen)
-            timings(row, "single", lambda: flash_decode(q, k, v), timer, False, graph_calls)
+            if device.type == "cuda" and not args.fp8:
+                timings(row, "sdpa", sdpa_default(q, k, v), timer, False, graph_calls)
+            k, v, kw = cache_args(args, k, v)
+            seq = torch.full((batch,), context, dtype=torch.int32, device=device)
+            timings(row, "single", lambda: flash_decode(q, k, v, seq, **kw), timer, False, graph_calls)
             if args.split_size and context % args.split_size == 0:
-                timings(row, "single_det", lambda: flash_decode(q, k, v, split_size=args.split_size), timer, False,
-                        graph_calls)
-            if device.type == "cuda":
-                timings(row, "sdpa", lambda: sdpa_default(q, k, v), timer, False, graph_calls)
+                timings(row, "single_det", lambda: flash_decode(q, k, v, seq, split_size=args.split_size, **kw), timer,
+                        False, graph_calls)
             for mode in ("call", "graph"):
                 best = [row[f"{w}_{mode}_us"] for w in ("single", "sdpa") if f"{w}_{mode}_us" in row]
                 if best:
@@ -202,16 +223,17 @@ def measure(args, batch, context, timer, device):
     ks = torch.empty(batch, hkv, shard, d, device=device, dtype=dtype).normal_(generator=own)
     vs = torch.empty_like(ks).normal_(generator=own)
     lens = torch.full((batch,), max(0, min(shard, context - rank * shard)), dtype=torch.int32, device=device)
-    state = flash_decode(q, ks, vs, lens, return_lse=True)
-    timings(row, "local", lambda: flash_decode(q, ks, vs, lens, return_lse=True), timer, False, graph_calls)
+    ks, vs, kw = cache_args(args, ks, vs)
+    state = flash_decode(q, ks, vs, lens, return_lse=True, **kw)
+    timings(row, "local", lambda: flash_decode(q, ks, vs, lens, return_lse=True, **kw), timer, False, graph_calls)
     outs = {}
     for exchange in args.exchanges:
         set_exchange(exchange)
-        outs[exchange] = cp_flash_decode(q, ks, vs, lens)  # checks once that every rank agrees on shapes
+        outs[exchange] = cp_flash_decode(q, ks, vs, lens, **kw)  # checks once that every rank agrees on shapes
         assert torch.isfinite(outs[exchange]).all(), f"non-finite CP output ({exchange})"
         timings(row, f"merge_{exchange}", lambda: merge_across_ranks(state), timer, True, graph_calls)
-        timings(row, f"cp_{exchange}", lambda: cp_flash_decode(q, ks, vs, lens, check_metadata=False), timer, True,
-                graph_calls)
+        timings(row, f"cp_{exchange}", lambda: cp_flash_decode(q, ks, vs, lens, check_metadata=False, **kw), timer,
+                True, graph_calls)
         for mode in ("call", "graph"):
             if f"cp_{exchange}_{mode}_us" in row:
                 row[f"exposed_{exchange}_{mode}_us"] = row[f"cp_{exchange}_{mode}_us"] - row[f"local_{mode}_us"]
@@ -219,9 +241,9 @@ def measure(args, batch, context, timer, device):
                 row[f"speedup_{exchange}_{mode}"] = row[f"best1_{mode}_us"] / row[f"cp_{exchange}_{mode}_us"]
     set_exchange("auto")
     if args.split_size and shard % args.split_size == 0:
-        cp_flash_decode(q, ks, vs, lens, split_size=args.split_size)
+        cp_flash_decode(q, ks, vs, lens, split_size=args.split_size, **kw)
         timings(row, "cp_det", lambda: cp_flash_decode(q, ks, vs, lens, split_size=args.split_size,
-                                                       check_metadata=False), timer, True, graph_calls)
+                                                       check_metadata=False, **kw), timer, True, graph_calls)
     first = outs[args.exchanges[0]]
     row["exchanges_bitwise_equal"] = all(torch.equal(o, first) for o in outs.values())
     if args.tree:

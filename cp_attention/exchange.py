@@ -97,7 +97,9 @@ class SymmMemExchange(CollectiveExchange):
             flags = buf[data_words:].view(torch.int32).view(2, -1, self.world)
             flags[0].zero_()  # ready: nothing pushed yet
             flags[1].fill_(1)  # done: every peer may push
-            ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
+            # The tensor may start inside its allocation: at the same offset on every rank (symmetric).
+            offset = buf.data_ptr() - handle.buffer_ptrs[self.rank]
+            ptrs = torch.tensor([p + offset for p in handle.buffer_ptrs], dtype=torch.int64, device=device)
             torch.cuda.synchronize(device)
         dist.barrier(group=self.group, device_ids=[device.index])  # every rank's flags are set before any push
         slots = buf[:data_words].view((self.world,) + shape)
