@@ -3,13 +3,22 @@
 Note [The decode hot path]
 --------------------------
 An eager decode call must cost the host about what the kernel launch costs (a few µs), since at batch 1
-and short contexts the GPU work itself takes less than 10 µs. A call therefore reads each argument's
-shape, strides, dtype, device and pointer alignment into one key, and on a hit replays what an earlier,
-fully validated call with the same key prepared: the plan (``heuristics.decode_plan``), every integer
-argument of the kernel and a bound :class:`~cp_attention.ops._launch.Launcher`. Only values that the
-key does not fix are read again (``sm_scale``). The split workspace, the ticket counters of the fused
-combine and the LSE scratch of calls that do not return it are kept per (device, stream) and grow when
-needed; buffers a larger request replaces stay alive, because a captured CUDA graph may still use them.
+and short contexts the GPU work itself takes less than 10 µs. A call reads each tensor argument's shape,
+strides, dtype, device and pointer (its 16-byte alignment goes in) into one key, with the options (a
+Python value with its class: ``num_splits=2.0`` equals ``2`` but is refused), and on a hit replays what
+an earlier call with the same key prepared once every check had passed: the plan
+(``heuristics.decode_plan``), the kernel's integer arguments bound in a
+:class:`~cp_attention.ops._launch.Launcher`, the output's shape. Everything the checks read is in the
+key, so a call that would fail them misses the cache and is checked in full; what the key does not fix
+(``sm_scale``, ``return_lse``, the softcap's and float FP8 scales' values) is checked at every call. The
+kernel then gets the pointers the key read (``Launcher.launch_ptrs``). That is the path of CUDA tensors,
+whose index values are never read on the host (no sync; the kernels clamp them); host tensors (the
+interpreter) are checked in full at every call and only reuse the prepared launch. The last key found
+sits beside the dict, so a call site that repeats its call (a model's layers) compares keys instead of
+hashing them. The split workspace, the ticket counters of the fused combine and the LSE scratch of calls
+that do not return it are kept per (device, stream) and grow when needed; buffers a larger request
+replaces stay alive, because a captured CUDA graph may still use them. Where the host time of a call
+goes: benchmarks/NOTES.md, "Host path v6".
 """
 from __future__ import annotations
 
@@ -141,18 +150,26 @@ def _unpack_out(out):
 class _Prepared(NamedTuple):
     """What a validated call with a given key launches (see Note [The decode hot path])."""
 
-    plan: DecodePlan
-    launcher: object
-    combine: object  # the deterministic splits' combine (Launcher, int args), or None
-    int_args: tuple  # the kernel's arguments after sm_scale
-    default_scale: float
+    launcher: object  # ops._launch.Launcher of the split-KV kernel, its integer arguments bound
+    combine: object  # the Launcher of the deterministic splits' combine (integer arguments bound), or None
+    cuda: int | None  # CUDA device index of the tensors; None: host tensors (the interpreter)
+    device: torch.device
+    shape: tuple  # o's shape (q's)
+    dtype: torch.dtype
+    o_like_q: bool  # o is allocated as torch.empty_like(q) (q contiguous), else contiguous
     lse_shape: tuple
+    sm_scale: float  # the default, 1 / sqrt(D)
     work_floats: int
     counters: int
+    lse_floats: int
+    launches: bool  # B > 0
 
 
 _PREPARED: dict = {}
 _MAX_PREPARED = 4096
+# The last key found and its _Prepared: a call site that repeats its call (a model's layers) compares
+# keys instead of hashing them. One tuple, so threads always read a matching pair.
+_LAST: tuple = (None, None)
 
 
 def _bqh(strides, multi: bool) -> tuple:
@@ -168,35 +185,22 @@ def _contiguous_strides(shape) -> tuple:
     return tuple(reversed(strides))
 
 
-class _Variants(NamedTuple):
-    """The optional parts of a call that shape its kernel: a window, a softcap, sinks, explicit row limits
-    (context-parallel ranks) and the span of positions a call can see (planned instead of ``T_max``)."""
-
-    window_left: int | None = None
-    softcap: bool = False
-    sinks: bool = False
-    row_limits: bool = False
-    span: int | None = None
-    split_size: int | None = None
-    export: bool = False  # write the deterministic splits' states for an outside combine (context parallel)
-
-
 def _prepare(q, k, v, seq_lens, block_table, row_limits, sinks, scales, num_splits, kv_layout, plan, o, lse,
-             geo: CacheGeometry, var: _Variants) -> _Prepared:
+             geo: CacheGeometry, window_left, softcap: bool, span, split_size, export: bool) -> _Prepared:
     from .ops._launch import Launcher
     from .ops.split_kv import (_combine_kernel, _split_kv_kernel, combine_launch_config, export_floats,
                                split_kv_launch_config, workspace_floats)
 
     b, hq, d = q.shape[0], q.shape[-2], q.shape[-1]
     multi = q.dim() == 4
-    if var.split_size is not None:
-        plan = deterministic_plan(geo.t_max, d, q.dtype, var.split_size)
+    if split_size is not None:
+        plan = deterministic_plan(geo.t_max, d, q.dtype, split_size)
     elif plan is None:
         # A window (or a context-parallel rank's share of one) bounds the positions a call reads: the
         # splits tile that span from its first position, not the whole cache.
-        span = geo.t_max if var.window_left is None else min(geo.t_max, var.window_left + geo.q_rows)
-        span = span if var.span is None else min(span, var.span)
-        plan = decode_plan(b, geo.hkv, span, d, q.dtype, num_sms(q.device), num_splits, kv_dtype=k.dtype)
+        reach = geo.t_max if window_left is None else min(geo.t_max, window_left + geo.q_rows)
+        reach = reach if span is None else min(reach, span)
+        plan = decode_plan(b, geo.hkv, reach, d, q.dtype, num_sms(q.device), num_splits, kv_dtype=k.dtype)
     ks, vs = k.stride(), v.stride()
     # The kernel reads k/v through (batch or page, KV head, position or slot) strides.
     if kv_layout == "NHD":
@@ -204,55 +208,68 @@ def _prepare(q, k, v, seq_lens, block_table, row_limits, sinks, scales, num_spli
     constexprs, options, tiling = split_kv_launch_config(
         q.dtype, hq // geo.hkv, geo.q_rows, d, plan, has_seq_lens=seq_lens is not None, page_size=geo.page_size,
         causal=geo.q_rows > 1 and row_limits is None, row_limits=row_limits is not None, kv_scale=geo.kv_scale,
-        window=var.window_left is not None and row_limits is None, softcap=var.softcap, sinks=sinks is not None,
+        window=window_left is not None and row_limits is None, softcap=softcap, sinks=sinks is not None,
         export=plan.deterministic)
     grid = (b * geo.hkv * tiling.n_rt, plan.num_splits)
-    device = q.get_device() if q.is_cuda else None
-    launcher = Launcher(_split_kv_kernel, grid, constexprs, device=device, **options)
+    cuda = q.get_device() if q.is_cuda else None
     lse_shape = tuple(q.shape[:-1])
-    o_strides = _bqh(o.stride() if o is not None else _contiguous_strides(q.shape), multi)
+    o_like_q = o is None and q.is_contiguous()  # then empty_like(q) has q's strides
+    o_strides = o.stride() if o is not None else q.stride() if o_like_q else _contiguous_strides(q.shape)
+    o_strides = _bqh(o_strides, multi)
     lse_strides = _bqh(lse.stride() if lse is not None else _contiguous_strides(lse_shape), multi)
-    int_args = (geo.t_max, plan.tiles_per_split, plan.num_splits, geo.hkv, geo.num_pages, var.window_left or 0,
+    sink_stride = sinks.stride(0) if sinks is not None else 0
+    int_args = (geo.t_max, plan.tiles_per_split, plan.num_splits, geo.hkv, geo.num_pages, window_left or 0,
                 *_bqh(q.stride(), multi), ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], *o_strides, *lse_strides,
                 seq_lens.stride(0) if seq_lens is not None else 0,
                 *(block_table.stride() if block_table is not None else (0, 0)),
                 *(row_limits.stride() if row_limits is not None else (0, 0, 0)),
-                *((sc.stride(0) if sc.dim() else 0) if geo.kv_scale == 2 else 0 for sc in scales),
-                sinks.stride(0) if sinks is not None else 0)
+                *((sc.stride(0) if sc.dim() else 0) if geo.kv_scale == 2 else 0 for sc in scales), sink_stride)
+    launcher = Launcher(_split_kv_kernel, grid, constexprs, device=cuda, static=int_args, **options)
     combine = None
     work = workspace_floats(b, geo.hkv, tiling, d, plan.num_splits)
     if plan.deterministic:
         work = export_floats(b, geo.hkv, tiling, d, plan.num_splits)
         c_constexprs, c_options = combine_launch_config(hq // geo.hkv, geo.q_rows, d, sinks is not None)
-        combine = (Launcher(_combine_kernel, (grid[0],), c_constexprs, device=device, **c_options),
-                   (plan.num_splits, geo.hkv, *o_strides, *lse_strides, sinks.stride(0) if sinks is not None else 0))
-    return _Prepared(plan, launcher, combine, int_args, 1.0 / math.sqrt(d), lse_shape, work, b * geo.hkv * tiling.n_rt)
+        combine = Launcher(_combine_kernel, (grid[0],), c_constexprs, device=cuda,
+                           static=(plan.num_splits, geo.hkv, *o_strides, *lse_strides, sink_stride), **c_options)
+    return _Prepared(launcher, combine, cuda, q.device, tuple(q.shape), q.dtype, o_like_q, lse_shape,
+                     1.0 / math.sqrt(d), work, b * geo.hkv * tiling.n_rt, math.prod(lse_shape), b > 0)
 
 
 class _Scratch:
     """Per (device, stream): the split workspace, the combine's ticket counters (zeroed; the kernel leaves
-    them zeroed) and the LSE of calls that do not return it."""
+    them zeroed) and the LSE of calls that do not return it, with their sizes and pointers."""
+
+    __slots__ = ("work", "counter", "lse", "work_n", "counter_n", "lse_n", "ptrs", "retired", "counter_unset")
 
     def __init__(self):
         self.work = self.counter = self.lse = None
+        self.work_n = self.counter_n = self.lse_n = -1
+        self.ptrs = (0, 0, 0)  # data_ptr() of work, counter, lse
         self.retired = []  # replaced buffers that captured graphs may still use
         self.counter_unset = False  # allocated during a capture: zeroed only when the graph replays
 
-    def get(self, device, work_floats, counters, lse_floats):
-        if self.work is None or self.work.numel() < work_floats:
+    def fits(self, prep: _Prepared) -> bool:
+        return (not self.counter_unset and self.work_n >= prep.work_floats and self.counter_n >= prep.counters
+                and self.lse_n >= prep.lse_floats)
+
+    def grow(self, device, prep: _Prepared) -> None:
+        """Make the buffers hold ``prep``'s needs (and zero counters allocated during a capture)."""
+        if self.work_n < prep.work_floats:
             self._retire(self.work)
-            self.work = torch.empty(max(work_floats, 1 << 16), dtype=torch.float32, device=device)
-        if self.lse is None or self.lse.numel() < lse_floats:
+            self.work = torch.empty(max(prep.work_floats, 1 << 16), dtype=torch.float32, device=device)
+        if self.lse_n < prep.lse_floats:
             self._retire(self.lse)
-            self.lse = torch.empty(max(lse_floats, 1 << 12), dtype=torch.float32, device=device)
-        if self.counter is None or self.counter.numel() < counters:
+            self.lse = torch.empty(max(prep.lse_floats, 1 << 12), dtype=torch.float32, device=device)
+        if self.counter_n < prep.counters:
             self._retire(self.counter)
-            self.counter = torch.zeros(max(counters, 1024), dtype=torch.int32, device=device)
+            self.counter = torch.zeros(max(prep.counters, 1024), dtype=torch.int32, device=device)
             self.counter_unset = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         elif self.counter_unset and not torch.cuda.is_current_stream_capturing():
             self.counter.zero_()
             self.counter_unset = False
-        return self.work, self.counter, self.lse
+        self.work_n, self.counter_n, self.lse_n = self.work.numel(), self.counter.numel(), self.lse.numel()
+        self.ptrs = (self.work.data_ptr(), self.counter.data_ptr(), self.lse.data_ptr())
 
     def _retire(self, buf):
         if buf is not None:
@@ -262,29 +279,44 @@ class _Scratch:
 _SCRATCH: dict = {}
 
 
-def _scratch(device: torch.device) -> _Scratch:
-    stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
-    key = (device, stream)
-    s = _SCRATCH.get(key)
+def _scratch(prep: _Prepared, stream: int) -> _Scratch:
+    """The scratch of ``prep``'s device and ``stream`` (0 for host tensors), grown to ``prep``'s needs."""
+    s = _SCRATCH.get((prep.cuda, stream))
     if s is None:
-        s = _SCRATCH[key] = _Scratch()
+        s = _SCRATCH[(prep.cuda, stream)] = _Scratch()
+    if not s.fits(prep):
+        s.grow(prep.device, prep)
     return s
 
 
 def _sig(t) -> tuple:
-    return (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() & 15)
+    """What a launch prepared for ``t`` depends on: shape, strides, dtype, device, 16-byte alignment."""
+    return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15)
 
 
-def _key(q, k, v, seq_lens, block_table, row_limits, k_scale, v_scale, sinks, num_splits, kv_layout, plan, out, var):
-    sig = (*_sig(q), *_sig(k), *_sig(v), num_splits, kv_layout, plan, var)
-    for t in (seq_lens, block_table, row_limits, sinks):
-        sig += (None,) if t is None else _sig(t)
-    for sc in (k_scale, v_scale):  # the values of float scales are read at every call
-        sig += (None,) if sc is None else _sig(sc) if sc.__class__ is torch.Tensor else (float,)
-    if out is not None:
-        o, lse = (out, None) if isinstance(out, torch.Tensor) else out
-        sig += _sig(o) + ((None,) if lse is None else _sig(lse))
-    return sig
+def _opt_sig(t) -> tuple | None:
+    return None if t is None else _sig(t)
+
+
+def _out_key(out) -> tuple:
+    """The key's part for an ``out`` that is not a plain tensor: a pair of tensors (anything else raises)."""
+    if isinstance(out, torch.Tensor):
+        return _sig(out)
+    o, lse = out
+    return (out.__class__, _sig(o), _sig(lse))
+
+
+def _rare_key(block_table, k_scale, v_scale, window_left, logit_softcap, sinks, plan, num_splits, split_size,
+              row_limits, span, export) -> tuple:
+    """The key's part for the less common arguments (one of them is given). Python values go in with their
+    class (``num_splits=2.0`` equals ``2`` but is refused), those read at every call (scales, softcap) by
+    class only. Anything unexpected raises, and the call then takes the checked path."""
+    return (_opt_sig(block_table), _opt_sig(row_limits), _opt_sig(sinks),
+            _sig(k_scale) if isinstance(k_scale, torch.Tensor) else k_scale.__class__,
+            _sig(v_scale) if isinstance(v_scale, torch.Tensor) else v_scale.__class__,
+            window_left.__class__, window_left, logit_softcap.__class__, plan.__class__, plan,
+            num_splits.__class__, num_splits, split_size.__class__, split_size, span,
+            None if export is None else export.data_ptr() & 15)
 
 
 def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num_splits=None, kv_layout="HND",
@@ -351,79 +383,164 @@ def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num
     >>> flash_decode(q, k, k, torch.tensor([100, 7]), return_lse=True).lse.shape
     torch.Size([2, 8])
     """
-    prep = key = None
-    var = _Variants(window_left, logit_softcap is not None, sinks is not None, _row_limits is not None, _span,
-                    split_size, _export is not None)
-    if q.__class__ is torch.Tensor and q.is_cuda:
+    # The key (Note [The decode hot path]); the pointers it reads are the launch's arguments.
+    global _LAST
+    key = prep = None
+    if q.__class__ is torch.Tensor:
         try:
-            key = _key(q, k, v, seq_lens, block_table, _row_limits, k_scale, v_scale, sinks, num_splits, kv_layout,
-                       plan, out, var)
-            prep = _PREPARED.get(key)
-        except (AttributeError, TypeError):  # not tensors: the full checks below say what is wrong
-            key = None
-    o_out, lse_out = (None, None) if out is None else (out, None) if isinstance(out, torch.Tensor) else out
-    if prep is None:
-        check_bool("return_lse", return_lse)
-        geo = check_decode_args(q, k, v, seq_lens, block_table=block_table, num_splits=num_splits,
-                                kv_layout=kv_layout, plan=plan, out=out, row_limits=_row_limits,
-                                k_scale=k_scale, v_scale=v_scale, window_left=window_left,
-                                logit_softcap=logit_softcap, sinks=sinks)
-        check_sm_scale(sm_scale)
-        check_split_size(split_size, num_splits=num_splits, plan=plan, window_left=window_left)
-        if not use_triton(q):
-            if _export is not None:
-                raise ValueError("the exported states of deterministic splits need the Triton kernels")
-            k, v = _dequantize(k, v, k_scale, v_scale, kv_layout, geo.kv_scale)
-            return _torch_path(q, k, v, seq_lens, block_table, _row_limits, sm_scale, kv_layout, window_left,
-                               logit_softcap, sinks, return_lse, o_out, lse_out)
-        prep = _prepare(q, k, v, seq_lens, block_table, _row_limits, sinks, (k_scale, v_scale), num_splits,
-                        kv_layout, plan, o_out, lse_out, geo, var)
-        if key is not None:
-            if len(_PREPARED) >= _MAX_PREPARED:
-                _PREPARED.clear()
-            _PREPARED[key] = prep
+            qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
+            if seq_lens is None:
+                slp, sl_key = qp, None
+            else:
+                slp = seq_lens.data_ptr()
+                sl_key = (seq_lens.shape, seq_lens.stride(), seq_lens.dtype, seq_lens.device, slp & 15)
+            if out is None:
+                op, out_key = None, None
+            elif out.__class__ is torch.Tensor:
+                op = out.data_ptr()
+                out_key = (out.shape, out.stride(), out.dtype, out.device, op & 15)
+            else:
+                op, out_key = None, _out_key(out)
+            key = (q.shape, q.stride(), q.dtype, q.device, qp & 15, k.shape, k.stride(), k.dtype, k.device, kp & 15,
+                   v.shape, v.stride(), v.dtype, v.device, vp & 15, kv_layout, sl_key, out_key)
+            if not (block_table is None and k_scale is None and v_scale is None and window_left is None
+                    and logit_softcap is None and sinks is None and plan is None and num_splits is None
+                    and split_size is None and _row_limits is None and _span is None and _export is None):
+                key = (key, _rare_key(block_table, k_scale, v_scale, window_left, logit_softcap, sinks, plan,
+                                      num_splits, split_size, _row_limits, _span, _export))
+            last = _LAST
+            if key == last[0]:
+                prep = last[1]
+            else:
+                prep = _PREPARED.get(key)
+                if prep is not None:
+                    _LAST = (key, prep)
+        except (AttributeError, TypeError, ValueError, RuntimeError):  # the checks say what is wrong
+            key = prep = None
+    if prep is None or prep.cuda is None:
+        return _checked_call(q, k, v, seq_lens, block_table, sm_scale, num_splits, kv_layout, split_size, k_scale,
+                             v_scale, window_left, logit_softcap, sinks, return_lse, out, plan, _row_limits, _span,
+                             _export, key, prep)
+
+    # A CUDA call whose key a validated call prepared: only what the key does not fix is checked.
     if sm_scale is None:
-        scale = prep.default_scale
+        scale = prep.sm_scale
     else:
-        check_sm_scale(sm_scale)
+        if sm_scale.__class__ is not float or not math.isfinite(sm_scale):
+            check_sm_scale(sm_scale)
         scale = float(sm_scale)
-    if return_lse is not True and return_lse is not False:
+    if return_lse is not False and return_lse is not True:
         check_bool("return_lse", return_lse)
-    if logit_softcap is None:
-        cap = 1.0
-    else:
-        if not (logit_softcap > 0 and math.isfinite(logit_softcap)):
-            check_variants(None, logit_softcap, None, 1, q.device)
-        cap = float(logit_softcap) * LOG2E
-    o = _dispatch.new_buffer(q.shape, q.dtype, q.device) if o_out is None else o_out
-    work, counter, scratch_lse = _scratch(q.device).get(q.device, prep.work_floats, prep.counters,
-                                                        q.numel() // q.shape[-1])
-    if lse_out is not None:
-        lse = lse_out
-    elif return_lse:
-        lse = _dispatch.new_buffer(prep.lse_shape, torch.float32, q.device)
-    else:
-        lse = scratch_lse
+    cap = 1.0 if logit_softcap is None else _softcap_log2(logit_softcap)
     if k_scale is None:  # not FP8 (an FP8 cache without scales was refused when the key was prepared)
-        k_sc = v_sc = q
         ks = vs = 1.0
-    elif k_scale.__class__ is torch.Tensor:
-        k_sc, v_sc, ks, vs = k_scale, v_scale, 1.0, 1.0
+        kscp = vscp = qp
+    elif isinstance(k_scale, torch.Tensor):
+        ks = vs = 1.0
+        kscp, vscp = k_scale.data_ptr(), v_scale.data_ptr()
     else:
-        if not (k_scale > 0 and v_scale > 0 and math.isfinite(k_scale) and math.isfinite(v_scale)):
-            check_kv_scales(k_scale, v_scale, k.dtype, q.dtype, 1, q.device)
-        k_sc = v_sc = q
-        ks, vs = float(k_scale), float(v_scale)
-    if q.shape[0] > 0:
-        if _export is not None:  # the deterministic splits' states, for a combine elsewhere (context parallel)
-            work = _export
-        prep.launcher(q, k, v, q if seq_lens is None else seq_lens, q if block_table is None else block_table,
-                      q if _row_limits is None else _row_limits, k_sc, v_sc, q if sinks is None else sinks, o, lse,
-                      work, counter, scale, ks, vs, cap, *prep.int_args)
+        ks, vs = _float_scales(k_scale, v_scale, k.dtype, q.dtype)
+        kscp = vscp = qp
+    if out is None:
+        o = _dispatch.new_like(q) if prep.o_like_q else _dispatch.new_buffer(prep.shape, prep.dtype, prep.device)
+        op, lse_out = o.data_ptr(), None
+    elif op is not None:  # a tensor, its pointer read for the key
+        o, lse_out = out, None
+    else:
+        o, lse_out = (out, None) if isinstance(out, torch.Tensor) else out
+        op = o.data_ptr()
+    if lse_out is None and return_lse:
+        lse_out = _dispatch.new_buffer(prep.lse_shape, torch.float32, prep.device)
+    stream = torch._C._cuda_getCurrentRawStream(prep.cuda)
+    scratch = _SCRATCH.get((prep.cuda, stream))
+    if scratch is None or not scratch.fits(prep):
+        scratch = _scratch(prep, stream)
+    if prep.launches:  # the launchers have compiled: the call that prepared them launched them
+        wp, cp, lsep = scratch.ptrs
+        if _export is not None:
+            wp = _export.data_ptr()
+        if lse_out is not None:
+            lsep = lse_out.data_ptr()
+        sinkp = qp if sinks is None else sinks.data_ptr()
+        prep.launcher.launch_ptrs(stream, (qp, kp, vp, slp, qp if block_table is None else block_table.data_ptr(),
+                                           qp if _row_limits is None else _row_limits.data_ptr(), kscp, vscp, sinkp,
+                                           op, lsep, wp, cp, scale, ks, vs, cap))
         if prep.combine is not None and _export is None:
-            combine, c_args = prep.combine
-            combine(work, q if sinks is None else sinks, o, lse, *c_args)
-    return AttentionState(o, lse) if return_lse else o
+            prep.combine.launch_ptrs(stream, (wp, sinkp, op, lsep))
+    if return_lse:
+        return AttentionState(o, lse_out)
+    return o
+
+
+def _softcap_log2(logit_softcap) -> float:
+    """The kernels' softcap argument, ``c * log2(e)``, of a validated-kind ``logit_softcap``."""
+    if not (logit_softcap > 0 and math.isfinite(logit_softcap)):
+        check_variants(None, logit_softcap, None, 1, None)
+    return float(logit_softcap) * LOG2E
+
+
+def _float_scales(k_scale, v_scale, kv_dtype, q_dtype) -> tuple:
+    if not (k_scale > 0 and v_scale > 0 and math.isfinite(k_scale) and math.isfinite(v_scale)):
+        check_kv_scales(k_scale, v_scale, kv_dtype, q_dtype, 1, None)
+    return float(k_scale), float(v_scale)
+
+
+def _launch(prep: _Prepared, scratch: _Scratch, q, k, v, seq_lens, block_table, row_limits, k_scale, v_scale, sinks,
+            o, lse, export, scale, ks, vs, cap) -> None:
+    """Launch ``prep``'s kernels with tensor arguments (placeholders: ``q``): the first launch of a
+    :class:`~cp_attention.ops._launch.Launcher` compiles, the interpreter runs, launch hooks see them."""
+    k_sc, v_sc = (k_scale, v_scale) if isinstance(k_scale, torch.Tensor) else (q, q)
+    work = scratch.work if export is None else export
+    lse = scratch.lse if lse is None else lse
+    sinks = q if sinks is None else sinks
+    prep.launcher(q, k, v, q if seq_lens is None else seq_lens, q if block_table is None else block_table,
+                  q if row_limits is None else row_limits, k_sc, v_sc, sinks, o, lse, work, scratch.counter,
+                  scale, ks, vs, cap)
+    if prep.combine is not None and export is None:
+        prep.combine(work, sinks, o, lse)
+
+
+def _checked_call(q, k, v, seq_lens, block_table, sm_scale, num_splits, kv_layout, split_size, k_scale, v_scale,
+                  window_left, logit_softcap, sinks, return_lse, out, plan, row_limits, span, export, key, prep):
+    """Every check, then the torch path, or the kernels with ``prep`` (prepared now when None; kept under
+    ``key`` unless None). Host tensors (the interpreter) come here at every call: their index values are
+    checked each time."""
+    check_bool("return_lse", return_lse)
+    geo = check_decode_args(q, k, v, seq_lens, block_table=block_table, num_splits=num_splits, kv_layout=kv_layout,
+                            plan=plan, out=out, row_limits=row_limits, k_scale=k_scale, v_scale=v_scale,
+                            window_left=window_left, logit_softcap=logit_softcap, sinks=sinks)
+    check_sm_scale(sm_scale)
+    check_split_size(split_size, num_splits=num_splits, plan=plan, window_left=window_left)
+    o_out, lse_out = (None, None) if out is None else (out, None) if isinstance(out, torch.Tensor) else out
+    if not use_triton(q):
+        if export is not None:
+            raise ValueError("the exported states of deterministic splits need the Triton kernels")
+        k, v = _dequantize(k, v, k_scale, v_scale, kv_layout, geo.kv_scale)
+        return _torch_path(q, k, v, seq_lens, block_table, row_limits, sm_scale, kv_layout, window_left,
+                           logit_softcap, sinks, return_lse, o_out, lse_out)
+    new = prep is None
+    if new:
+        prep = _prepare(q, k, v, seq_lens, block_table, row_limits, sinks, (k_scale, v_scale), num_splits,
+                        kv_layout, plan, o_out, lse_out, geo, window_left, logit_softcap is not None, span, split_size,
+                        export is not None)
+    if o_out is not None:
+        o = o_out
+    else:
+        o = _dispatch.new_like(q) if prep.o_like_q else _dispatch.new_buffer(prep.shape, prep.dtype, prep.device)
+    if lse_out is None and return_lse:
+        lse_out = _dispatch.new_buffer(prep.lse_shape, torch.float32, prep.device)
+    if prep.launches:
+        stream = torch._C._cuda_getCurrentRawStream(prep.cuda) if prep.cuda is not None else 0
+        ks, vs = (1.0, 1.0) if geo.kv_scale != 1 else (float(k_scale), float(v_scale))
+        cap = 1.0 if logit_softcap is None else float(logit_softcap) * LOG2E
+        scale = prep.sm_scale if sm_scale is None else float(sm_scale)
+        _launch(prep, _scratch(prep, stream), q, k, v, seq_lens, block_table, row_limits, k_scale, v_scale, sinks, o,
+                lse_out, export, scale, ks, vs, cap)
+    if new and key is not None:  # kept once launched: a later call with this key takes the launchers' direct path
+        if len(_PREPARED) >= _MAX_PREPARED:
+            _PREPARED.clear()
+        _PREPARED[key] = prep
+    return AttentionState(o, lse_out) if return_lse else o
 
 
 def check_split_size(split_size, *, num_splits=None, plan=None, window_left=None) -> None:

@@ -1,0 +1,189 @@
+"""flash_decode's prepared hot path (Note [The decode hot path]) without a GPU: CPU tensors made to take the
+CUDA code path (``is_cuda`` true, the two CUDA runtime queries answered in Python, a recording stand-in for
+the compiled kernel), so the direct launch's arguments and the checks a repeated call still runs are
+tested on the CPU. The kernels' results on that path are tested on the GPU (test_gpu.py) and, through the
+same prepared launches, under the interpreter (the other test files)."""
+import pytest
+import torch
+
+from cp_attention import AttentionState, decode, flash_decode
+from cp_attention.heuristics import decode_plan
+from cp_attention.ops.split_kv import _split_kv_kernel
+
+ARG_NAMES = _split_kv_kernel.arg_names
+
+
+class _Compiled:
+    """Stands in for a compiled kernel: ``run`` (the direct launch) and ``[grid](...)`` (Triton's own path)
+    record their arguments."""
+
+    function = 0
+    packed_metadata = None
+
+    def __init__(self, log):
+        self.log = log
+
+    def run(self, *args):
+        self.log.append(("run", args[9:]))  # after grid (3), stream, function, metadata, 3 hook slots
+
+    def __getitem__(self, grid):
+        return lambda *args: self.log.append(("triton", args))
+
+
+@pytest.fixture
+def cuda_path(monkeypatch):
+    """CPU tensors take flash_decode's CUDA path; returns the list of launches (kind, arguments)."""
+    log = []
+
+    def getitem(kernel, grid):
+        def first_launch(*args, **kwargs):  # the JIT: compiles, launches, returns the compiled kernel
+            log.append(("jit", args + tuple(x for name, x in kwargs.items() if name in ARG_NAMES)))
+            return _Compiled(log)
+        return first_launch
+
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: -1, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
+    monkeypatch.setattr(type(_split_kv_kernel), "__getitem__", getitem)
+    for name, empty in (("_PREPARED", {}), ("_SCRATCH", {}), ("_LAST", (None, None))):
+        monkeypatch.setattr(decode, name, empty)
+    torch.Tensor.is_cuda = property(lambda self: True)
+    try:
+        yield log
+    finally:
+        del torch.Tensor.is_cuda
+
+
+def make(b=2, hq=8, hkv=2, t=300, d=64, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, d, generator=g).to(dtype)
+    k = torch.randn(b, hkv, t, d, generator=g).to(dtype)
+    v = torch.randn(b, hkv, t, d, generator=g).to(dtype)
+    return q, k, v, torch.full((b,), t, dtype=torch.int32)
+
+
+def arg(args, name):
+    return args[ARG_NAMES.index(name)]
+
+
+def test_repeated_call_launches_directly_with_the_new_pointers(cuda_path):
+    """The second call with new tensors of the same key launches through ``run`` with their pointers and
+    the first call's integers, and allocates a new output."""
+    q, k, v, sl = make(seed=1)
+    out = torch.empty_like(q)
+    for kwargs in ({}, {"out": out}, {"return_lse": True}):
+        cuda_path.clear()
+        decode._PREPARED.clear()
+        decode._LAST = (None, None)
+        o1 = flash_decode(q, k, v, sl, **kwargs)
+        q2, k2, v2, sl2 = make(seed=2)
+        o2 = flash_decode(q2, k2, v2, sl2, **kwargs)
+        (kind1, first), (kind2, second) = cuda_path
+        assert (kind1, kind2) == ("jit", "run") and len(first) == len(second) == len(ARG_NAMES)
+        o1, o2 = (o1.o, o2.o) if isinstance(o1, AttentionState) else (o1, o2)
+        assert (o2 is out) == ("out" in kwargs) and (o2 is not o1) == ("out" not in kwargs)
+        new = {id(q): q2, id(k): k2, id(v): v2, id(sl): sl2, id(o1): o2}
+        want = [new.get(id(a), a).data_ptr() if isinstance(a, torch.Tensor) else a for a in first]
+        if kwargs.get("return_lse"):  # a new lse buffer too
+            want[ARG_NAMES.index("LSE")] = arg(second, "LSE")
+            assert arg(second, "LSE") != arg(first, "LSE").data_ptr()
+        assert list(second) == want
+
+
+def test_a_prepared_key_does_not_skip_the_checks(cuda_path):
+    """After a good call, each bad variant of it raises the argument's error before any launch."""
+    q, k, v, sl = make()
+    plan = decode_plan(2, 2, 300, 64, torch.bfloat16, 132)
+    good = dict(num_splits=2, window_left=4, logit_softcap=30.0, out=torch.empty_like(q), sm_scale=0.1)
+    bad = [
+        ({"k": k.float()}, TypeError, "k"),
+        ({"v": v[:, :, :100]}, ValueError, "v"),
+        ({"q": q[:, :3]}, ValueError, "q heads"),
+        ({"seq_lens": sl.float()}, TypeError, "seq_lens"),
+        ({"seq_lens": sl.to("meta")}, ValueError, "seq_lens"),
+        ({"num_splits": 2.0}, TypeError, "num_splits"),
+        ({"window_left": True}, TypeError, "window_left"),
+        ({"logit_softcap": -1.0}, ValueError, "logit_softcap"),
+        ({"logit_softcap": True}, TypeError, "logit_softcap"),
+        ({"sm_scale": float("nan")}, TypeError, "sm_scale"),
+        ({"sm_scale": "0.1"}, TypeError, "sm_scale"),
+        ({"return_lse": 1}, TypeError, "return_lse"),
+        ({"out": torch.empty_like(q)[:1]}, ValueError, "out"),
+        ({"out": torch.empty_like(q).double()}, TypeError, "out"),
+        ({"out": [torch.empty_like(q), torch.empty(2, 8)]}, TypeError, "out"),
+        ({"num_splits": None, "plan": tuple(plan)}, TypeError, "plan"),
+    ]
+    args = dict(q=q, k=k, v=v, seq_lens=sl, **good)
+    flash_decode(**args)
+    flash_decode(**args)
+    assert [kind for kind, _ in cuda_path] == ["jit", "run"]
+    for change, exc, name in bad:
+        with pytest.raises(exc, match=rf"^{name}\b"):
+            flash_decode(**{**args, **change})
+    assert len(cuda_path) == 2  # nothing launched
+
+
+def test_fp8_float_scales_are_checked_at_every_call(cuda_path):
+    q, k, v, sl = make()
+    k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+    flash_decode(q, k8, v8, sl, k_scale=0.5, v_scale=2.0)
+    flash_decode(q, k8, v8, sl, k_scale=0.25, v_scale=4.0)
+    assert (arg(cuda_path[-1][1], "k_scale"), arg(cuda_path[-1][1], "v_scale")) == (0.25, 4.0)
+    for ks, exc in ((-1.0, ValueError), (float("inf"), ValueError), (True, TypeError)):
+        with pytest.raises(exc, match=r"^k_scale\b"):
+            flash_decode(q, k8, v8, sl, k_scale=ks, v_scale=4.0)
+    with pytest.raises(ValueError, match=r"^k_scale\b"):
+        flash_decode(q, k8, v8, sl, k_scale=torch.ones(3), v_scale=torch.ones(3))
+    assert len(cuda_path) == 2
+
+
+def test_new_shapes_and_strides_prepare_a_new_launch(cuda_path):
+    """A longer cache, a strided seq_lens column or a misaligned q get their own launch (its integers and
+    specialisation), not the earlier one's."""
+    q, k, v, sl = make()
+    flash_decode(q, k, v, sl)
+    _, k2, v2, _ = make(t=500)
+    flash_decode(q, k2, v2, sl)
+    meta = torch.stack([sl, sl], dim=1)
+    flash_decode(q, k, v, meta[:, 0])
+    buf = torch.empty(q.numel() + 1, dtype=q.dtype)
+    q_odd = buf[1:].view(q.shape).copy_(q)  # 2-byte aligned
+    flash_decode(q_odd, k, v, sl)
+    assert [kind for kind, _ in cuda_path] == ["jit"] * 4
+    launches = [args for _, args in cuda_path]
+    assert [arg(a, "T_MAX") for a in launches] == [300, 500, 300, 300]
+    assert [arg(a, "stride_sl") for a in launches] == [1, 1, 2, 1]
+    assert arg(launches[3], "Q") is q_odd
+
+
+def test_device_index_values_are_not_read(cuda_path):
+    """On the GPU path seq_lens and block_table values stay on the device (no host sync): out-of-range
+    values reach the kernel, which clamps them, where the CPU path refuses them."""
+    q, k, v, _ = make()
+    flash_decode(q, k, v, torch.tensor([301, -5], dtype=torch.int32))
+    assert len(cuda_path) == 1
+
+
+def test_launch_hooks_see_the_launch(cuda_path):
+    """With a launch hook registered (a profiler), a prepared call goes through Triton's own launch path."""
+    from triton import knobs
+
+    q, k, v, sl = make()
+    out = torch.empty_like(q)
+    flash_decode(q, k, v, sl, out=out)
+    hook = lambda metadata: None  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        flash_decode(q, k, v, sl, out=out)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    flash_decode(q, k, v, sl, out=out)
+    assert [kind for kind, _ in cuda_path] == ["jit", "triton", "run"]
+    assert cuda_path[1][1] == cuda_path[2][1]
+
+
+def test_host_tensors_are_checked_at_every_call():
+    """Under the interpreter a prepared key is reused, but host index values are still checked each call."""
+    q, k, v, sl = make(t=64, d=32)
+    flash_decode(q, k, v, sl)
+    with pytest.raises(ValueError, match=r"^seq_lens\b"):
+        flash_decode(q, k, v, torch.tensor([65, 3], dtype=torch.int32))
