@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Every GPU measurement of benchmarks/NOTES.md in one go on a 2-GPU machine, one-GPU benchmarks on both GPUs
+# at once, the two-GPU ones after; each step under its own time limit, its output kept even if it fails.
+#   usage: benchmarks/run_all.sh OUT_DIR [one|two|all]   (from the checkout; FlashInfer wheels in .fi/ if present)
+# "one": the one-GPU benchmarks (~6 min), "two": context parallel and generation (~9 min), "all" (default).
+# Writes OUT_DIR/logs/*.txt, the JSON/PNG files of benchmarks/results/, and OUT_DIR/all.tgz holding both.
+set -u
+out=${1:?usage: benchmarks/run_all.sh OUT_DIR [one|two|all]}
+part=${2:-all}
+cd "$(dirname "$0")/.."
+mkdir -p "$out/logs"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if ls .fi/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/cpa_site .fi/*.whl && export CUDA_HOME=/usr/local/cuda
+fi
+site=/tmp/cpa_site:.
+tr="python3 -m torch.distributed.run --standalone"
+t0=$(date +%s)
+step() {  # step NAME LIMIT_S CMD...: run CMD with a time limit, log to logs/NAME.txt
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" "$@" > "$out/logs/$name.txt" 2>&1
+  local rc=$?
+  echo "[$(( $(date +%s) - t0 )) s] $name rc=$rc" | tee -a "$out/logs/steps.txt"
+}
+if [ "$part" != two ]; then
+( export CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$site
+  step bench_decode 330 python3 benchmarks/bench_decode.py --time-budget-s 280
+  step bench_overhead 60 python3 benchmarks/bench_overhead.py ) &
+( export CUDA_VISIBLE_DEVICES=1 PYTHONPATH=$site
+  step bench_fp8 120 python3 benchmarks/bench_decode.py --impls cp_attention cp_attention_fp8 flashinfer_xqa_fp8 \
+    --shapes 1x128k 1x1M 16x32k 64x8k --heads --name bench_fp8
+  step bench_paged 150 python3 benchmarks/bench_paged.py --time-budget-s 120
+  step bench_variants 60 python3 benchmarks/bench_variants.py
+  step bench_merge 40 python3 benchmarks/bench_merge.py ) &
+wait
+fi
+export PYTHONPATH=$site
+if [ "$part" != one ]; then
+step bench_cp 150 $tr --nproc-per-node=2 benchmarks/bench_cp.py --batches 1 8 --contexts 32768 131072 1048576 \
+  --split-size 4096 --cascade 128:32768:256
+step bench_cp_paged 60 $tr --nproc-per-node=2 benchmarks/bench_cp.py --batches 1 --contexts 131072 1048576 \
+  --page-size 16 --exchanges symm --name bench_cp_paged
+step bench_cp_fp8 60 $tr --nproc-per-node=2 benchmarks/bench_cp.py --batches 1 16 --contexts 32768 131072 --fp8 \
+  --exchanges symm --name bench_cp_fp8
+python3 -c "import json, random; random.seed(0); json.dump([[1]], open('/tmp/cpa_p1.json', 'w')); \
+json.dump([[random.randrange(128000) for _ in range(131072)]], open('/tmp/cpa_p128k.json', 'w'))"
+gen="launch/generate.py --random-config llama3-8b --prompts"
+step generate_w1 150 env CUDA_VISIBLE_DEVICES=0 $tr --nproc-per-node=1 $gen /tmp/cpa_p1.json --new-tokens 16 \
+  --fill-context 32768 131072 524288 --profile-steps 4 --output "$out/generate_w1.json"
+step generate_w2 150 $tr --nproc-per-node=2 $gen /tmp/cpa_p1.json --new-tokens 16 \
+  --fill-context 32768 131072 524288 1048576 --profile-steps 4 --output "$out/generate_w2.json"
+step prefill_w1 90 env CUDA_VISIBLE_DEVICES=0 $tr --nproc-per-node=1 $gen /tmp/cpa_p128k.json --new-tokens 2 \
+  --output "$out/generate_prefill_w1.json"
+step prefill_w2 90 $tr --nproc-per-node=2 $gen /tmp/cpa_p128k.json --new-tokens 2 --output "$out/generate_prefill_w2.json"
+fi
+cp benchmarks/results/*.json benchmarks/results/*.png "$out/" 2>/dev/null
+tar czf "$out/all.tgz" -C "$out" logs $(cd "$out" && ls *.json *.png 2>/dev/null)
