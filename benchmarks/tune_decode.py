@@ -1,15 +1,18 @@
 """Sweep flash_decode's tile config and split count on the GPU; the results set the defaults of
 cp_attention/heuristics.py (decode_config and the split policy of decode_plan).
 
-bf16, Hq=32, Hkv=8, D=128 on the shapes of SHAPES (--shapes). For every tile config of CONFIGS and split
+bf16, Hq=32, Hkv=8, D=128 on the shapes of SHAPES (--shapes). For every tile config of --configs and split
 count S in SPLITS (at most 8 programs per SM): flash_decode(q, k, v, plan=heuristics.decode_plan(...,
 splits=S, config=DecodeConfig(*cfg))), timed per call in a CUDA graph of 20 calls
 (benchmarks/_harness.py; the split policy decides GPU work only); per shape the best (config, S) against
-the policy's, in a graph and per call.
+the policy's, in a graph and per call. ``--cache`` sweeps another form of the same cache: ``fp8`` (e4m3,
+``quantize_kv`` per-tensor scales), ``nhd`` (dense ``[B, T, Hkv, D]``), ``paged1``/``paged16``/``paged64``
+(NHD page pools in sequence order, as bench_paged.py builds them).
 
     PYTHONPATH=. python3 benchmarks/tune_decode.py
+    PYTHONPATH=. python3 benchmarks/tune_decode.py --cache fp8 --shapes 1x131072 64x8192 --configs 128,4,3 128,8,3 128,8,4
 
-Writes benchmarks/results/tune_decode.json.
+Writes benchmarks/results/tune_decode[_<cache>].json.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import peers  # noqa: E402
 from benchmarks._harness import bench_call, bench_graph, table, tbs, tqdm, write_json  # noqa: E402
-from cp_attention import flash_decode, heuristics  # noqa: E402
+from cp_attention import flash_decode, heuristics, quantize_kv  # noqa: E402
 
 CONFIGS = [(128, 4, 3), (64, 4, 3), (128, 8, 3), (128, 4, 2), (64, 4, 4), (64, 4, 2)]  # (block_n, warps, stages)
 SPLITS = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128]
@@ -31,16 +34,37 @@ SHAPES = ["1x2048", "1x8192", "1x32768", "1x131072", "1x1048576", "4x8192", "4x3
           "16x32768", "64x2048", "64x8192"]
 
 
-def candidates(q, k, v):
-    """``(config label, split count, callable)`` for every (tile config, split count) to time on this shape."""
+CACHES = ("bf16", "fp8", "nhd", "paged1", "paged16", "paged64")
+
+
+def cache_form(k, v, cache: str):
+    """``(k, v, kwargs)``: the dense HND cache in the form ``cache`` (see the module docstring)."""
+    b, _, t, _ = k.shape
+    if cache == "fp8":
+        k8, v8, k_scale, v_scale = quantize_kv(k, v)
+        return k8, v8, {"k_scale": k_scale, "v_scale": v_scale}
+    if cache == "nhd":
+        return k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(), {"kv_layout": "NHD"}
+    if cache.startswith("paged"):
+        page = int(cache[5:])
+        lens = torch.full((b,), t, dtype=torch.int32, device=k.device)
+        return peers.paged(k, page), peers.paged(v, page), {
+            "seq_lens": lens, "block_table": peers.page_table(b, t // page, k.device), "kv_layout": "NHD"}
+    return k, v, {}
+
+
+def candidates(q, k, v, configs, kv_dtype, kwargs):
+    """``(config label, split count, callable)`` for every (tile config, split count) to time on this shape
+    (``k``, ``v`` ``[B, Hkv, T, D]`` give the plan's shape; ``kwargs`` hold the cache form's arguments)."""
     b, hkv, t, d = k.shape
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     splits = [s for s in SPLITS if b * hkv * s <= 8 * sms]
     out = []
-    for cfg in CONFIGS:
+    for cfg in configs:
         for s in splits:
-            plan = heuristics.decode_plan(b, hkv, t, d, q.dtype, sms, splits=s, config=heuristics.DecodeConfig(*cfg))
-            out.append(("x".join(map(str, cfg)), s, lambda plan=plan: flash_decode(q, k, v, plan=plan)))
+            plan = heuristics.decode_plan(b, hkv, t, d, q.dtype, sms, splits=s, config=heuristics.DecodeConfig(*cfg),
+                                          kv_dtype=kv_dtype)
+            out.append(("x".join(map(str, cfg)), s, lambda plan=plan: flash_decode(q, plan=plan, **kwargs)))
     return out
 
 
@@ -48,7 +72,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", nargs="+", default=SHAPES, metavar="BxT")
     ap.add_argument("--rep-ms", type=int, default=30, help="do_bench rep per measurement")
+    ap.add_argument("--cache", choices=CACHES, default="bf16", help="the form of the cache (module docstring)")
+    ap.add_argument("--configs", nargs="+", default=[",".join(map(str, c)) for c in CONFIGS],
+                    metavar="BLOCK_N,WARPS,STAGES", help="tile configs to sweep")
     args = ap.parse_args()
+    configs = [tuple(map(int, c.split(","))) for c in args.configs]
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes]
     hq, hkv, d, dt = 32, 8, 128, torch.bfloat16
     rows, bests = [], []
@@ -57,21 +85,23 @@ def main():
         q = torch.randn(b, hq, d, generator=gen, device="cuda", dtype=dt)
         k = torch.randn(b, hkv, t, d, generator=gen, device="cuda", dtype=dt)
         v = torch.randn(b, hkv, t, d, generator=gen, device="cuda", dtype=dt)
-        nbytes = 2 * k.numel() * k.element_size()
+        kf, vf, kwargs = cache_form(k, v, args.cache)
+        nbytes = 2 * kf.numel() * kf.element_size()
+        kwargs.update(k=kf, v=vf)
         best = None
-        for cfg, s, fn in candidates(q, k, v):
+        for cfg, s, fn in candidates(q, k, v, configs, kf.dtype, kwargs):
             us = bench_graph(fn, rep=args.rep_ms)
             r = {"B": b, "T": t, "cfg": cfg, "S": s, "graph_us": us, "TBs": tbs(nbytes, us)}
             rows.append(r)
             if best is None or us < best["graph_us"]:
                 best = r
-        policy = peers.cp_attention(q, k, v)
+        policy = lambda: flash_decode(q, **kwargs)  # noqa: E731
         bests.append(dict(best, policy_S=peers.cp_splits(q, k), policy_graph_us=bench_graph(policy, rep=args.rep_ms),
                           policy_call_us=bench_call(policy, rep=args.rep_ms)))
-        del q, k, v, policy
+        del q, k, v, kf, vf, kwargs, policy
         torch.cuda.empty_cache()
-    path = write_json("tune_decode", {"config": {"configs": CONFIGS}, "rows": rows,
-                                      "best": bests})
+    name = "tune_decode" if args.cache == "bf16" else f"tune_decode_{args.cache}"
+    path = write_json(name, {"config": {"configs": configs, "cache": args.cache}, "rows": rows, "best": bests})
     # Per tile config: its time at its best split count on each shape, to choose one config for all.
     per_cfg = []
     for cfg in dict.fromkeys(r["cfg"] for r in rows):
