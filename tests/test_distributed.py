@@ -555,6 +555,26 @@ def case_exchange_choice(rank, world):
     return exchange_for(None).name
 
 
+def case_symm_exchange_falls_back(rank, world):
+    """A symmetric-memory exchange given a buffer it did not allocate (a CPU one here, or one made during a
+    CUDA-graph capture) merges through the collective path, bitwise as the collective exchange does."""
+    from cp_attention.exchange import CollectiveExchange, SymmMemExchange
+
+    symm, coll = SymmMemExchange(None), CollectiveExchange(None)
+    g = torch.Generator().manual_seed(rank)
+    packed = symm.packed_buffer((2, 4, 9), torch.device("cpu"))
+    packed.copy_(torch.randn(2, 4, 9, generator=g))
+    assert not symm._buffers
+    got, want = symm.merge(packed, torch.float32), coll.merge(packed.clone(), torch.float32)
+    assert torch.equal(got.o, want.o) and torch.equal(got.lse, want.lse)
+    return got.o
+
+
+def test_symm_exchange_falls_back_to_the_collective(pool):
+    outs = pool(2).run(case_symm_exchange_falls_back)
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_exchange_choice_on_gloo(pool):
     assert pool(2).run(case_exchange_choice) == ["collective", "collective"]
 
