@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from . import _dispatch
+from .ops.symm_merge import flag_words, symm_merge_into
 from .state import AttentionState, merge_states
 
 EXCHANGES = ("auto", "symm", "collective")
@@ -73,7 +74,7 @@ class SymmMemExchange(CollectiveExchange):
         super().__init__(group)
         self.rank = dist.get_rank(group)
         self.group_name = group.group_name if group is not None else dist.group.WORLD.group_name
-        self._buffers = {}  # (shape, device index) -> (handle, slots [W, *shape], buffer addresses [W])
+        self._buffers = {}  # (shape, device index) -> (handle, this rank's slot [*shape], buffer addresses [W])
 
     def _buffer(self, shape, device):
         key = (tuple(shape), device.index)
@@ -84,8 +85,6 @@ class SymmMemExchange(CollectiveExchange):
 
     def _allocate(self, shape, device):
         from torch.distributed import _symmetric_memory as symm_mem
-
-        from .ops.symm_merge import flag_words
 
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         d = shape[-1] - 1
@@ -102,24 +101,22 @@ class SymmMemExchange(CollectiveExchange):
             ptrs = torch.tensor([p + offset for p in handle.buffer_ptrs], dtype=torch.int64, device=device)
             torch.cuda.synchronize(device)
         dist.barrier(group=self.group, device_ids=[device.index])  # every rank's flags are set before any push
-        slots = buf[:data_words].view((self.world,) + shape)
-        return handle, slots, ptrs
+        slot = buf[:data_words].view((self.world,) + shape)[self.rank]
+        return handle, slot, ptrs
 
     def packed_buffer(self, shape, device) -> torch.Tensor:
         entry = self._buffer(shape, device) if device.type == "cuda" else None
         if entry is None:
             return super().packed_buffer(shape, device)
-        slot = entry[1][self.rank]
+        slot = entry[1]
         if _dispatch.POISON_OUTPUTS:
             slot.fill_(float("nan"))
         return slot
 
     def merge(self, packed, out_dtype, sinks=None) -> AttentionState:
         entry = self._buffers.get((tuple(packed.shape), packed.device.index)) if packed.is_cuda else None
-        if entry is None or packed.data_ptr() != entry[1][self.rank].data_ptr():
+        if entry is None or packed.data_ptr() != entry[1].data_ptr():
             return super().merge(packed, out_dtype, sinks)  # not in a symmetric buffer (see the Note)
-        from .ops.symm_merge import symm_merge_into
-
         d = packed.shape[-1] - 1
         lead = tuple(packed.shape[:-1])
         m = math.prod(lead)
