@@ -24,7 +24,9 @@ import hashlib
 import json
 import math
 import platform
+import statistics
 import sys
+import time
 from importlib import metadata
 from pathlib import Path
 
@@ -47,6 +49,21 @@ TOLERANCES = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2, to
 def bench_call(fn, warmup: int = 25, rep: int = 100) -> float:
     """Median µs of one eager ``fn()`` (L2 flushed before each)."""
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median") * 1e3
+
+
+def host_call_us(fn, n: int, warmup: int = 0) -> float:
+    """Median µs from the start of one ``fn()`` to its return, each of ``n`` calls issued after a
+    ``torch.cuda.synchronize()`` (the host time of one call with the GPU idle), after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter_ns()
+        fn()
+        times.append(time.perf_counter_ns() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(times) / 1e3
 
 
 def capture(fn, calls: int = 1) -> torch.cuda.CUDAGraph:

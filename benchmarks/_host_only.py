@@ -147,19 +147,11 @@ def gpu_parts(q, k, v, seq_lens, calls: int) -> list[dict]:
     launch alone as the library makes it and through Triton's ``run`` (its Python wrapper, its C launcher
     and the driver); ``torch.empty_like`` and ``torch.empty`` as the library and the code before it
     allocated."""
+    from benchmarks._harness import host_call_us
     from cp_attention import decode, flash_decode
 
     def median_us(fn):
-        for _ in range(20):
-            fn()
-        times = []
-        for _ in range(calls):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter_ns()
-            fn()
-            times.append(time.perf_counter_ns() - t0)
-        torch.cuda.synchronize()
-        return statistics.median(times) / 1e3
+        return host_call_us(fn, calls, warmup=20)
 
     def call():
         return flash_decode(q, k, v, seq_lens)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -41,7 +40,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import peers  # noqa: E402
-from benchmarks._harness import gpu_activity, kernel_names, table, tqdm, write_json  # noqa: E402
+from benchmarks._harness import gpu_activity, host_call_us, kernel_names, table, tqdm, write_json  # noqa: E402
 from cp_attention import flash_decode  # noqa: E402
 
 PROFILED_CALLS = 50
@@ -56,17 +55,6 @@ def loop_us(fn, n: int) -> float:
         fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / n * 1e6
-
-
-def call_us(fn, n: int) -> float:
-    times = []
-    for _ in range(n):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    return statistics.median(times) * 1e6
 
 
 def gpu_gap_us(fn) -> tuple[float, int]:
@@ -139,7 +127,7 @@ def main():
         "sdpa (default)": peers.sdpa_default(q, k, v),
     }
 
-    rows = [{"what": what, "loop_us": loop_us(fn, args.calls), "call_us": call_us(fn, args.single)}
+    rows = [{"what": what, "loop_us": loop_us(fn, args.calls), "call_us": host_call_us(fn, args.single)}
             for what, fn in tqdm(calls.items(), desc="host overhead")]
     from benchmarks import _host_only
 
