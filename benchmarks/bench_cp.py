@@ -47,8 +47,7 @@ from cp_attention import AttentionState, CascadeLevel, cascade_decode, flash_dec
 from cp_attention.state import normalize, unnormalize  # noqa: E402
 from cp_attention.distributed import (cp_cascade_decode, cp_flash_decode, init_distributed,  # noqa: E402
                                       merge_across_ranks, set_exchange, shard_kv)
-from benchmarks.peers import page_table, paged, sdpa_default  # noqa: E402
-from cp_attention import quantize_kv  # noqa: E402
+from benchmarks.peers import cache_form, sdpa_default  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -169,20 +168,6 @@ def timings(row, prefix, fn, timer, collective, graph_calls):
         torch.cuda.empty_cache()
 
 
-def cache_args(args, k, v):
-    """``(k, v, kwargs)`` for flash_decode / cp_flash_decode: the dense bf16 cache as it is, or FP8
-    (--fp8) and/or paged (--page-size) copies of it; the originals are not kept."""
-    kwargs = {}
-    if args.fp8:
-        k, v, k_scale, v_scale = quantize_kv(k, v)
-        kwargs.update(k_scale=k_scale, v_scale=v_scale)
-    if args.page_size:
-        b, _, t, _ = k.shape
-        k, v = paged(k, args.page_size), paged(v, args.page_size)
-        kwargs.update(block_table=page_table(b, t // args.page_size, k.device), kv_layout="NHD")
-    return k, v, kwargs
-
-
 def measure(args, batch, context, timer, device):
     """One shape: the single-GPU baseline on rank 0, then the CP parts on every rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -198,8 +183,8 @@ def measure(args, batch, context, timer, device):
             v = torch.empty_like(k).normal_(generator=gen)
             if device.type == "cuda" and not args.fp8:
                 timings(row, "sdpa", sdpa_default(q, k, v), timer, False, graph_calls)
-            k, v, kw = cache_args(args, k, v)
-            seq = torch.full((batch,), context, dtype=torch.int32, device=device)
+            k, v, kw = cache_form(k, v, fp8=args.fp8, page_size=args.page_size)
+            seq = kw.pop("seq_lens", torch.full((batch,), context, dtype=torch.int32, device=device))
             timings(row, "single", lambda: flash_decode(q, k, v, seq, **kw), timer, False, graph_calls)
             if args.split_size and context % args.split_size == 0:
                 timings(row, "single_det", lambda: flash_decode(q, k, v, seq, split_size=args.split_size, **kw), timer,
@@ -223,7 +208,8 @@ def measure(args, batch, context, timer, device):
     ks = torch.empty(batch, hkv, shard, d, device=device, dtype=dtype).normal_(generator=own)
     vs = torch.empty_like(ks).normal_(generator=own)
     lens = torch.full((batch,), max(0, min(shard, context - rank * shard)), dtype=torch.int32, device=device)
-    ks, vs, kw = cache_args(args, ks, vs)
+    ks, vs, kw = cache_form(ks, vs, fp8=args.fp8, page_size=args.page_size)
+    kw.pop("seq_lens", None)  # each shard's own lengths
     state = flash_decode(q, ks, vs, lens, return_lse=True, **kw)
     timings(row, "local", lambda: flash_decode(q, ks, vs, lens, return_lse=True, **kw), timer, False, graph_calls)
     outs = {}

@@ -47,11 +47,28 @@ def cp_attention_fp8(q, k, v, *, dtype=torch.float8_e4m3fn, per_head: bool = Fal
 
 def cp_attention_paged(q, k, v, *, page_size: int = 16):
     """cp_attention.flash_decode on a paged NHD copy of the cache (the pages of :func:`paged`)."""
-    b, hkv, t, d = k.shape
-    kp, vp = paged(k, page_size), paged(v, page_size)
-    table = page_table(b, t // page_size, q.device)
-    seq_lens = torch.full((b,), t, dtype=torch.int32, device=q.device)
-    return lambda: flash_decode(q, kp, vp, seq_lens, block_table=table, kv_layout="NHD")
+    kp, vp, kwargs = cache_form(k, v, page_size=page_size)
+    return lambda: flash_decode(q, kp, vp, **kwargs)
+
+
+def cache_form(k, v, *, fp8: bool = False, page_size: int | None = None, nhd: bool = False):
+    """``(k, v, kwargs)`` for flash_decode: the dense HND cache ``[B, Hkv, T, D]`` as an FP8 e4m3 copy
+    (``quantize_kv``, per-tensor scales) and/or NHD page pools of ``page_size`` slots in sequence order
+    (:func:`paged`; ``kwargs`` then hold the block table and ``seq_lens`` of T), or a dense NHD copy
+    (``nhd``). The originals are not kept."""
+    b, _, t, _ = k.shape
+    kwargs = {}
+    if fp8:
+        k, v, k_scale, v_scale = quantize_kv(k, v)
+        kwargs.update(k_scale=k_scale, v_scale=v_scale)
+    if page_size:
+        k, v = paged(k, page_size), paged(v, page_size)
+        kwargs.update(seq_lens=torch.full((b,), t, dtype=torch.int32, device=k.device),
+                      block_table=page_table(b, t // page_size, k.device), kv_layout="NHD")
+    elif nhd:
+        k, v = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+        kwargs["kv_layout"] = "NHD"
+    return k, v, kwargs
 
 
 def sdpa_default(q, k, v):

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import peers  # noqa: E402
 from benchmarks._harness import bench_call, bench_graph, table, tbs, tqdm, write_json  # noqa: E402
-from cp_attention import flash_decode, heuristics, quantize_kv  # noqa: E402
+from cp_attention import flash_decode, heuristics  # noqa: E402
 
 CONFIGS = [(128, 4, 3), (64, 4, 3), (128, 8, 3), (128, 4, 2), (64, 4, 4), (64, 4, 2)]  # (block_n, warps, stages)
 SPLITS = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128]
@@ -39,18 +39,8 @@ CACHES = ("bf16", "fp8", "nhd", "paged1", "paged16", "paged64")
 
 def cache_form(k, v, cache: str):
     """``(k, v, kwargs)``: the dense HND cache in the form ``cache`` (see the module docstring)."""
-    b, _, t, _ = k.shape
-    if cache == "fp8":
-        k8, v8, k_scale, v_scale = quantize_kv(k, v)
-        return k8, v8, {"k_scale": k_scale, "v_scale": v_scale}
-    if cache == "nhd":
-        return k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(), {"kv_layout": "NHD"}
-    if cache.startswith("paged"):
-        page = int(cache[5:])
-        lens = torch.full((b,), t, dtype=torch.int32, device=k.device)
-        return peers.paged(k, page), peers.paged(v, page), {
-            "seq_lens": lens, "block_table": peers.page_table(b, t // page, k.device), "kv_layout": "NHD"}
-    return k, v, {}
+    page = int(cache[5:]) if cache.startswith("paged") else None
+    return peers.cache_form(k, v, fp8=cache == "fp8", page_size=page, nhd=cache == "nhd")
 
 
 def candidates(q, k, v, configs, kv_dtype, kwargs):
