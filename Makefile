@@ -19,6 +19,9 @@ else
 PY := $(shell for p in python3 python; do $$p -c 'import torch, triton' >/dev/null 2>&1 && command -v $$p && break; done)
 RUN := PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PY)
 READY := gpu-env
+# The GPU suite compiles a few hundred kernel variants: with pytest-xdist there, 8 workers share that work
+# (the spawned multi-GPU tests rendezvous through their own temporary files, so they run beside the rest).
+PYTEST_ARGS := $(shell $(PY) -c 'import xdist' >/dev/null 2>&1 && echo '-n 8')
 .PHONY: gpu-env
 gpu-env:
 	@test -n "$(PY)" || { echo "make: no python3 on the PATH imports torch and triton (activate the environment that has them)"; exit 1; }
@@ -29,7 +32,7 @@ endif
 setup: $(READY)
 
 test: $(READY)
-	$(RUN) -m pytest -q tests
+	$(RUN) -m pytest -q $(PYTEST_ARGS) tests
 
 demo: $(READY)
 ifeq ($(NGPU),0)

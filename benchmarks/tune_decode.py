@@ -1,7 +1,7 @@
 """Sweep flash_decode's tile config and split count on the GPU; the results set the defaults of
 cp_attention/heuristics.py (decode_config and the split policy of decode_plan).
 
-bf16, Hq=32, Hkv=8, D=128 on the shapes of SHAPES (--shapes). For every tile config of --configs and split
+Hq=32, Hkv=8, D=128, bf16 (--dtype: the query's and the dense cache's dtype) on the shapes of SHAPES (--shapes). For every tile config of --configs and split
 count S in SPLITS (at most 8 programs per SM): flash_decode(q, k, v, plan=heuristics.decode_plan(...,
 splits=S, config=DecodeConfig(*cfg))), timed per call in a CUDA graph of 20 calls
 (benchmarks/_harness.py; the split policy decides GPU work only); per shape the best (config, S) against
@@ -11,8 +11,9 @@ the policy's, in a graph and per call. ``--cache`` sweeps another form of the sa
 
     PYTHONPATH=. python3 benchmarks/tune_decode.py
     PYTHONPATH=. python3 benchmarks/tune_decode.py --cache fp8 --shapes 1x131072 64x8192 --configs 128,4,3 128,8,3 128,8,4
+    PYTHONPATH=. python3 benchmarks/tune_decode.py --cache fp8 --dtype float16 --shapes 1x131072 --configs 128,4,3
 
-Writes benchmarks/results/tune_decode[_<cache>].json.
+Writes benchmarks/results/tune_decode[_<cache>][_float16].json.
 """
 from __future__ import annotations
 
@@ -63,12 +64,14 @@ def main():
     ap.add_argument("--shapes", nargs="+", default=SHAPES, metavar="BxT")
     ap.add_argument("--rep-ms", type=int, default=30, help="do_bench rep per measurement")
     ap.add_argument("--cache", choices=CACHES, default="bf16", help="the form of the cache (module docstring)")
+    ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16",
+                    help="dtype of the query (and of the cache before --cache converts it)")
     ap.add_argument("--configs", nargs="+", default=[",".join(map(str, c)) for c in CONFIGS],
                     metavar="BLOCK_N,WARPS,STAGES", help="tile configs to sweep")
     args = ap.parse_args()
     configs = [tuple(map(int, c.split(","))) for c in args.configs]
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes]
-    hq, hkv, d, dt = 32, 8, 128, torch.bfloat16
+    hq, hkv, d, dt = 32, 8, 128, getattr(torch, args.dtype)
     rows, bests = [], []
     gen = torch.Generator("cuda").manual_seed(0)
     for b, t in tqdm(shapes, desc="shapes"):
@@ -90,8 +93,9 @@ def main():
                           policy_call_us=bench_call(policy, rep=args.rep_ms)))
         del q, k, v, kf, vf, kwargs, policy
         torch.cuda.empty_cache()
-    name = "tune_decode" if args.cache == "bf16" else f"tune_decode_{args.cache}"
-    path = write_json(name, {"config": {"configs": configs, "cache": args.cache}, "rows": rows, "best": bests})
+    name = "tune_decode" + ("" if args.cache == "bf16" else f"_{args.cache}") + ("" if dt == torch.bfloat16 else "_float16")
+    path = write_json(name, {"config": {"configs": configs, "cache": args.cache, "dtype": args.dtype}, "rows": rows,
+                             "best": bests})
     # Per tile config: its time at its best split count on each shape, to choose one config for all.
     per_cfg = []
     for cfg in dict.fromkeys(r["cfg"] for r in rows):
