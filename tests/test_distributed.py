@@ -40,8 +40,7 @@ def _worker(rank, world, init_file, tasks, results):
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
     try:
         while (task := tasks[rank].get()) is not None:
-            name, kwargs, interpret = task
-            os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+            name, kwargs = task
             try:
                 results.put((rank, True, globals()[name](rank, world, **kwargs)))
             except Exception:  # reported to the parent, which fails the test
@@ -51,20 +50,30 @@ def _worker(rank, world, init_file, tasks, results):
 
 
 class _Pool:
-    """``world`` spawned ranks in one gloo group, serving cases until closed."""
+    """``world`` spawned ranks in one gloo group, serving cases until closed. ``interpret``: the ranks run the
+    Triton kernels under the interpreter, else the torch path. Triton decides interpretation when a kernel
+    module is imported, so the ranks start with ``TRITON_INTERPRET`` already set (inherited at spawn)."""
 
-    def __init__(self, world, init_file):
+    def __init__(self, world, init_file, interpret):
         ctx = mp.get_context("spawn")
         self.world = world
         self.tasks = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
-        self.procs = mp.spawn(_worker, args=(world, str(init_file), self.tasks, self.results),
-                              nprocs=world, join=False)
+        before = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+        try:
+            self.procs = mp.spawn(_worker, args=(world, str(init_file), self.tasks, self.results),
+                                  nprocs=world, join=False)
+        finally:
+            if before is None:
+                del os.environ["TRITON_INTERPRET"]
+            else:
+                os.environ["TRITON_INTERPRET"] = before
 
-    def run(self, case, *, interpret=False, **kwargs):
+    def run(self, case, **kwargs):
         """Run ``case(rank, world, **kwargs)`` on every rank; return the per-rank results."""
         for q in self.tasks:
-            q.put((case.__name__, kwargs, interpret))
+            q.put((case.__name__, kwargs))
         out, errors, waited = [None] * self.world, [], 0
         for _ in range(self.world):
             while True:
@@ -90,14 +99,26 @@ class _Pool:
         self.procs.join(timeout=30)
 
 
+class _Pools:
+    """The pools of one world size: ``run(case, interpret=..., **kwargs)`` on the pool of that mode."""
+
+    def __init__(self, world, pools, tmp_path_factory):
+        self.world, self.pools, self.tmp = world, pools, tmp_path_factory
+
+    def run(self, case, *, interpret=False, **kwargs):
+        key = (self.world, interpret)
+        if key not in self.pools:
+            init = self.tmp.mktemp(f"world{self.world}-{'interp' if interpret else 'torch'}") / "init"
+            self.pools[key] = _Pool(self.world, init, interpret)
+        return self.pools[key].run(case, **kwargs)
+
+
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
     pools = {}
 
     def get(world):
-        if world not in pools:
-            pools[world] = _Pool(world, tmp_path_factory.mktemp(f"world{world}") / "init")
-        return pools[world]
+        return _Pools(world, pools, tmp_path_factory)
 
     yield get
     for p in pools.values():
