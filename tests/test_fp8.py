@@ -97,6 +97,24 @@ def test_fp8_decode_against_the_dequantised_oracle(dtype8, per_head, layout, q_r
         assert_state_matches(got, ref, q.dtype)
 
 
+@pytest.mark.parametrize("exp", [-40, 20, 100])
+def test_fp8_bf16_query_of_any_magnitude(exp):
+    """A bf16 query 2^exp times the usual size under an sm_scale 2^-exp times the usual (the same scores).
+    Against an FP8 cache the kernels run the dots in fp16, whose range (2^-24 .. 65504) holds neither
+    query: each row must be rescaled by a power of two, one row at a time (a zero row included)."""
+    q, k, v, sl = dense_cache(2, 8, 2, 70, 32, [70, 23], q_rows=None, dtype=torch.bfloat16, seed=12)
+    q[1, 3] = 0.0
+    q[0, 5] *= 1000.0  # rows of different sizes in one tile
+    k8, v8, ks, vs = quantize_kv(k, v, per_head=True)
+    scale = 32 ** -0.5 / 8
+    ref = attention(q.double(), dequantized(k8, ks, 1), dequantized(v8, vs, 1), sl, sm_scale=scale)
+    q_big = (q.float() * 2.0 ** exp).bfloat16()  # exact: a power of two
+    for splits in (1, 2):
+        got = flash_decode(q_big, k8, v8, sl, k_scale=ks, v_scale=vs, sm_scale=scale * 2.0 ** -exp,
+                           num_splits=splits, return_lse=True)
+        assert_state_matches(got, ref, q.dtype)
+
+
 def test_fp8_torch_path(monkeypatch):
     q, k, v, sl = dense_cache(2, 8, 2, 60, 32, [60, 9], q_rows=None, dtype=torch.bfloat16, seed=6)
     k8, v8, ks, vs = quantize_kv(k, v, per_head=True)

@@ -21,9 +21,13 @@ Edge cases, one rule each:
   states with ``+inf`` share the result equally and the lse stays ``+inf``);
 * a NaN lse makes that row's ``o`` and ``lse`` NaN (``tl.maximum`` skips the NaN, its weight does not).
 
-FP8 caches: K/V tiles are loaded as stored and converted to the query's dtype in registers (exact: every
-e4m3 and e5m2 value is a bf16 and an fp16 value); the kernels fold ``k_scale`` into the score scale and
-multiply the normalised ``o`` by ``v_scale`` (see :func:`score_scales`).
+FP8 caches: K/V tiles are loaded as stored and converted to fp16 in registers (exact: every e4m3 and e5m2
+value is an fp16 value; one ``cvt`` per pair of values, where bf16 would take three per value through
+fp32), so the dots run in fp16. A bf16 query is scaled per row by a power of two that puts its largest
+|element| in [2^13, 2^14) and rounded to fp16, exact for every element within 2^-24 of that maximum
+(bf16 has 8 significant bits, fp16 11); the power of two leaves through the score scale
+(:func:`fp16_query`). The kernels fold ``k_scale`` into the score scale and multiply the normalised ``o``
+by ``v_scale`` (see :func:`score_scales`).
 
 Rounding (level 1): the weights ``p`` are rounded to the value dtype for the ``p @ v`` product on the
 tensor cores, and ``o`` is normalised by the sum of the *rounded* weights, so it is a convex combination
@@ -118,6 +122,24 @@ def score_scales(sm_scale, cap, K_SCALE, V_SCALE, k_scale, v_scale, i_h64, strid
     else:
         vs = 1.0
     return qk_scale, vs
+
+
+@triton.jit
+def fp16_query(b_q, qk_scale, KV_SCALE: tl.constexpr):
+    """The query rows ``b_q [M, D]`` and score scale for the dots against a K/V tile: unchanged for a
+    bf16/fp16 cache; for an FP8 cache (``KV_SCALE != 0``) and a bf16 query, ``(q * 2^(13 - e) in fp16,
+    qk_scale * 2^(e - 13) [M, 1])`` per row, with ``2^e <= max |q| < 2^(e + 1)`` (powers of two built from
+    their exponent bits: exact), so the dots run in fp16 (Note [Attention states inside kernels], FP8)."""
+    if KV_SCALE != 0:  # both tests at compile time
+        if b_q.dtype == tl.bfloat16:
+            q = b_q.to(tl.float32)
+            e = (tl.max(tl.abs(q), 1).to(tl.int32, bitcast=True) >> 23) - 127  # non-negative floats: no sign bit
+            e = tl.minimum(tl.maximum(e, -100), 127)
+            up = ((140 - e) << 23).to(tl.float32, bitcast=True)  # 2^(13 - e)
+            down = ((114 + e) << 23).to(tl.float32, bitcast=True)  # 2^(e - 13)
+            b_q = (q * up[:, None]).to(tl.float16)
+            qk_scale = qk_scale * down[:, None]
+    return b_q, qk_scale
 
 
 @triton.jit

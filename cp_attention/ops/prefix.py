@@ -35,7 +35,7 @@ from .. import _constants
 from .._dispatch import next_pow2
 from ._dot import dot_flags
 from ._launch import launch
-from ._state import attend_tiles, kv_bases, score_scales, split_range
+from ._state import attend_tiles, fp16_query, kv_bases, score_scales, split_range
 
 
 @triton.jit
@@ -88,6 +88,7 @@ def _prefix_kernel(
     # FP8 segments: k_scale folds into the score scale, v_scale into o
     qk_scale, vs = score_scales(sm_scale, cap, K_SCALE, V_SCALE, k_scale, v_scale, i_h64, stride_ksh, stride_vsh,
                                 SOFTCAP, KV_SCALE)
+    b_q, qk_scale = fp16_query(b_q, qk_scale, KV_SCALE)
     row_lim = seq_len - Q_ROWS + 1 + o_q.to(tl.int32)  # the causal rule, when IS_CAUSAL
 
     p_k, p_v = kv_bases(K, V, i_seg, i_h64, stride_ks, stride_kh, stride_vs, stride_vh, IS_PAGED)

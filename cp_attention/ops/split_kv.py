@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from ._dot import dot_flags
-from ._state import (add_sink, attend_tiles, kv_bases, merge_tile, score_scales, seq_length,
+from ._state import (add_sink, attend_tiles, fp16_query, kv_bases, merge_tile, score_scales, seq_length,
                      split_range)
 from .._dispatch import next_pow2
 
@@ -145,6 +145,7 @@ def _split_kv_kernel(
     # FP8 cache: k_scale folds into the score scale, v_scale into o
     qk_scale, vs = score_scales(sm_scale, cap, K_SCALE, V_SCALE, k_scale, v_scale, i_h64, stride_ksh, stride_vsh,
                                 SOFTCAP, KV_SCALE)
+    b_q, qk_scale = fp16_query(b_q, qk_scale, KV_SCALE)
     p_k, p_v = kv_bases(K, V, i_b64, i_h64, stride_kb, stride_kh, stride_vb, stride_vh, IS_PAGED)
     b_o, b_lse = attend_tiles(b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt, BLOCK_TABLE + i_b64 * stride_btb,
                               stride_btp, stride_kb, stride_vb, NUM_PAGES, t_start, t_end, qk_scale, cap, o_d, m_d,
