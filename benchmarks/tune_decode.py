@@ -54,7 +54,7 @@ def candidates(q, k, v, configs, kv_dtype, kwargs):
     for cfg in configs:
         for s in splits:
             plan = heuristics.decode_plan(b, hkv, t, d, q.dtype, sms, splits=s, config=heuristics.DecodeConfig(*cfg),
-                                          kv_dtype=kv_dtype)
+                                          kv_dtype=kv_dtype, paged="block_table" in kwargs)
             out.append(("x".join(map(str, cfg)), s, lambda plan=plan: flash_decode(q, plan=plan, **kwargs)))
     return out
 
@@ -89,7 +89,10 @@ def main():
             if best is None or us < best["graph_us"]:
                 best = r
         policy = lambda: flash_decode(q, **kwargs)  # noqa: E731
-        bests.append(dict(best, policy_S=peers.cp_splits(q, k), policy_graph_us=bench_graph(policy, rep=args.rep_ms),
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        plan = heuristics.decode_plan(b, hkv, t, d, q.dtype, sms, kv_dtype=kf.dtype, paged="block_table" in kwargs)
+        bests.append(dict(best, policy_cfg="x".join(map(str, plan.config)), policy_S=plan.num_splits,
+                          policy_graph_us=bench_graph(policy, rep=args.rep_ms),
                           policy_call_us=bench_call(policy, rep=args.rep_ms)))
         del q, k, v, kf, vf, kwargs, policy
         torch.cuda.empty_cache()
@@ -107,7 +110,8 @@ def main():
         per_cfg.append(per)
     print(table(per_cfg, ["cfg"] + args.shapes))
     print(f"wrote {path}")
-    print(table(bests, ["B", "T", "cfg", "S", "graph_us", "TBs", "policy_S", "policy_graph_us", "policy_call_us"]))
+    print(table(bests, ["B", "T", "cfg", "S", "graph_us", "TBs", "policy_cfg", "policy_S", "policy_graph_us",
+                        "policy_call_us"]))
 
 
 if __name__ == "__main__":

@@ -76,14 +76,19 @@ def num_splits(work_items: int, slots: int, n_kv_blocks: int, max_splits: int = 
 
 class DecodeConfig(NamedTuple):
     """Tile config of the split-KV kernel: ``block_n`` keys per tile, ``num_warps``, ``num_stages``
-    (software-pipelined K/V tiles in flight)."""
+    (software-pipelined K/V tiles in flight); ``programs``: programs that share an SM where measured (0:
+    estimated from the shared memory of the K/V stages)."""
 
     block_n: int
     num_warps: int
     num_stages: int
+    programs: int = 0
 
     def programs_per_sm(self, head_dim: int, dtype: torch.dtype) -> int:
-        """How many programs share an SM, from the K/V pipeline's shared memory."""
+        """How many programs share an SM: :attr:`programs`, or the estimate from the K/V pipeline's shared
+        memory."""
+        if self.programs:
+            return self.programs
         block_d = 1 << (head_dim - 1).bit_length()
         smem = self.num_stages * 2 * self.block_n * block_d * dtype.itemsize
         return max(1, min(4, _SMEM_PER_SM // max(smem, 1)))
@@ -101,14 +106,26 @@ class DecodePlan(NamedTuple):
     deterministic: bool = False
 
 
-def decode_config(head_dim: int, dtype: torch.dtype, t_max: int | None = None) -> DecodeConfig:
+def decode_config(head_dim: int, dtype: torch.dtype, t_max: int | None = None, paged: bool = False) -> DecodeConfig:
     """The split-KV kernel's tile config, tuned on the H200 (benchmarks/NOTES.md): 128-key tiles with three
-    stages in flight; 64-key tiles (more programs) for caches of at most 512 positions."""
+    stages in flight; 64-key tiles (more programs) for caches of at most 512 positions.
+
+    ``paged`` (a block table): Triton's pipeliner gives the block-table load of a tile a stage of its own
+    and keeps a single K/V tile in flight (74 KB of shared memory for the 128-key config against 139 KB
+    dense; more stages do not add any), so a paged decode needs more programs per SM instead: 64-key tiles,
+    of which three programs share an SM (inferred from the split sweeps of benchmarks/NOTES.md, where the
+    split count that fills 3 programs per SM in one wave was the fastest).
+
+    >>> decode_config(128, torch.bfloat16, 131072, paged=True)
+    DecodeConfig(block_n=64, num_warps=4, num_stages=3, programs=3)
+    """
     if dtype == torch.float32:
         return DecodeConfig(64, 4, 2) if head_dim <= 128 else DecodeConfig(32, 4, 2)
     if head_dim > 128:
         return DecodeConfig(64, 4, 2)
-    return DecodeConfig(64, 4, 2) if t_max is not None and t_max <= 512 else DecodeConfig(128, 4, 3)
+    if t_max is not None and t_max <= 512:
+        return DecodeConfig(64, 4, 2)
+    return DecodeConfig(64, 4, 3, programs=3) if paged else DecodeConfig(128, 4, 3)
 
 
 def deterministic_plan(t_max: int, head_dim: int, dtype: torch.dtype, split_size: int) -> DecodePlan:
@@ -117,7 +134,7 @@ def deterministic_plan(t_max: int, head_dim: int, dtype: torch.dtype, split_size
     Independent of the batch and the device, so a request's output is too.
 
     >>> deterministic_plan(100_000, 128, torch.bfloat16, 4096)
-    DecodePlan(config=DecodeConfig(block_n=128, num_warps=4, num_stages=3), num_splits=25, tiles_per_split=32, deterministic=True)
+    DecodePlan(config=DecodeConfig(block_n=128, num_warps=4, num_stages=3, programs=0), num_splits=25, tiles_per_split=32, deterministic=True)
     """
     config = decode_config(head_dim, dtype)
     block_n = config.block_n
@@ -130,7 +147,7 @@ def deterministic_plan(t_max: int, head_dim: int, dtype: torch.dtype, split_size
 @functools.lru_cache(maxsize=4096)
 def decode_plan(batch: int, num_kv_heads: int, t_max: int, head_dim: int, dtype: torch.dtype,
                 num_sms: int, splits: int | None = None, config: DecodeConfig | None = None,
-                kv_dtype: torch.dtype | None = None) -> DecodePlan:
+                kv_dtype: torch.dtype | None = None, paged: bool = False) -> DecodePlan:
     """The plan of a decode over ``batch * num_kv_heads`` (sequence, KV head) pairs and a cache of
     capacity ``t_max``, on a device with ``num_sms`` SMs.
 
@@ -140,12 +157,13 @@ def decode_plan(batch: int, num_kv_heads: int, t_max: int, head_dim: int, dtype:
     tile: at short contexts the latency of fewer, longer splits costs more than the extra states (H200,
     B = 1, T = 2k: 16 splits of one tile 8.8 µs, 8 of two 9.5 µs). ``config`` None: :func:`decode_config`
     of the query's ``dtype``; the shared memory of its K/V stages (programs per SM) counts in
-    ``kv_dtype`` (default ``dtype``; an FP8 cache takes half).
+    ``kv_dtype`` (default ``dtype``; an FP8 cache takes half). ``paged``: the cache is read through a
+    block table (:func:`decode_config`).
 
     >>> decode_plan(1, 8, 131072, 128, torch.bfloat16, 132).num_splits
     16
     """
-    config = config or decode_config(head_dim, dtype, t_max)
+    config = config or decode_config(head_dim, dtype, t_max, paged)
     n_blocks = max(1, math.ceil(t_max / config.block_n))
     if splits is None:
         work = batch * num_kv_heads

@@ -25,6 +25,9 @@ def test_decode_configs():
     assert decode_config(128, torch.bfloat16, 512) == DecodeConfig(64, 4, 2)
     assert decode_config(256, torch.float16) == DecodeConfig(64, 4, 2)
     assert decode_config(64, torch.float32) == DecodeConfig(64, 4, 2)
+    assert decode_config(128, torch.bfloat16, 131072, paged=True) == DecodeConfig(64, 4, 3, programs=3)
+    assert decode_config(128, torch.bfloat16, 512, paged=True) == DecodeConfig(64, 4, 2)
+    assert DecodeConfig(64, 4, 3, programs=3).programs_per_sm(128, torch.bfloat16) == 3  # measured, not estimated
     assert DecodeConfig(128, 4, 3).programs_per_sm(128, torch.bfloat16) == 1  # 192 KB of K/V stages
     assert DecodeConfig(64, 4, 3).programs_per_sm(128, torch.bfloat16) == 2
 
@@ -46,9 +49,17 @@ DECODE_PLANS = [
 @pytest.mark.parametrize("args,want", DECODE_PLANS, ids=[f"B{a[0]}-Hkv{a[1]}-T{a[2]}" for a, _ in DECODE_PLANS])
 def test_decode_plan(args, want):
     plan = decode_plan(*args, 132)
+    assert not plan.config.programs  # dense: estimated from shared memory
     assert (plan.num_splits, plan.tiles_per_split) == want
     n_tiles = math.ceil(args[2] / plan.config.block_n) if args[2] else 1
     assert plan.num_splits * plan.tiles_per_split >= n_tiles > (plan.num_splits - 1) * plan.tiles_per_split
+
+
+def test_paged_decode_plan_fills_three_programs_per_sm():
+    """A paged cache: 64-key tiles, one wave of 3 programs on each of 132 SMs (396 slots)."""
+    plan = decode_plan(1, 8, 131072, 128, torch.bfloat16, 132, paged=True)
+    assert (plan.config.block_n, plan.num_splits, plan.tiles_per_split) == (64, 49, 42)  # 392 programs
+    assert decode_plan(64, 8, 8192, 128, torch.bfloat16, 132, paged=True).num_splits == 1
 
 
 def test_decode_plan_fixed_splits_are_capped_and_exact():

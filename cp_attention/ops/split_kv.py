@@ -323,10 +323,10 @@ def _aot_spec(group, q_rows, split, page_size=0, causal=False, row_limits=False,
 # variants: a window with sinks (split and not), a softcap on 4 causal rows; the exporting split kernel and
 # the combine of the deterministic splits.
 AOT_SPECS = [_aot_spec(4, 1, True), _aot_spec(5, 1, False), _aot_spec(8, 1, True),
-             _aot_spec(4, 1, True, page_size=16), _aot_spec(4, 1, False, page_size=64),
-             _aot_spec(4, 4, True, causal=True), _aot_spec(8, 16, True, page_size=16, row_limits=True),
+             _aot_spec(4, 1, True, page_size=16, block_n=64), _aot_spec(4, 1, False, page_size=64, block_n=64),
+             _aot_spec(4, 4, True, causal=True), _aot_spec(8, 16, True, page_size=16, row_limits=True, block_n=64),
              _aot_spec(4, 1, True, kv="fp8e4nv", kv_scale=1),
-             _aot_spec(4, 4, False, page_size=64, causal=True, kv="fp8e5", kv_scale=2),
+             _aot_spec(4, 4, False, page_size=64, causal=True, kv="fp8e5", kv_scale=2, block_n=64),
              _aot_spec(4, 1, True, window=True, sinks=True), _aot_spec(4, 1, False, window=True, sinks=True),
              _aot_spec(4, 4, True, causal=True, softcap=True), _aot_spec(4, 1, False, export=True, block_n=64),
              {"kernel": _combine_kernel,
