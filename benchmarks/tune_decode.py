@@ -48,7 +48,7 @@ def candidates(q, k, v, configs, kv_dtype, kwargs):
     """``(config label, split count, callable)`` for every (tile config, split count) to time on this shape
     (``k``, ``v`` ``[B, Hkv, T, D]`` give the plan's shape; ``kwargs`` hold the cache form's arguments)."""
     b, hkv, t, d = k.shape
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    sms = heuristics.num_sms(q.device)
     splits = [s for s in SPLITS if b * hkv * s <= 8 * sms]
     out = []
     for cfg in configs:
@@ -89,8 +89,8 @@ def main():
             if best is None or us < best["graph_us"]:
                 best = r
         policy = lambda: flash_decode(q, **kwargs)  # noqa: E731
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        plan = heuristics.decode_plan(b, hkv, t, d, q.dtype, sms, kv_dtype=kf.dtype, paged="block_table" in kwargs)
+        plan = heuristics.decode_plan(b, hkv, t, d, q.dtype, heuristics.num_sms(q.device), kv_dtype=kf.dtype,
+                                      paged="block_table" in kwargs)
         bests.append(dict(best, policy_cfg="x".join(map(str, plan.config)), policy_S=plan.num_splits,
                           policy_graph_us=bench_graph(policy, rep=args.rep_ms),
                           policy_call_us=bench_call(policy, rep=args.rep_ms)))

@@ -9,6 +9,7 @@ import datetime
 import os
 import queue
 import traceback
+from unittest import mock
 
 import pytest
 import torch
@@ -59,16 +60,9 @@ class _Pool:
         self.world = world
         self.tasks = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
-        before = os.environ.get("TRITON_INTERPRET")
-        os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
-        try:
+        with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1" if interpret else "0"}):
             self.procs = mp.spawn(_worker, args=(world, str(init_file), self.tasks, self.results),
                                   nprocs=world, join=False)
-        finally:
-            if before is None:
-                del os.environ["TRITON_INTERPRET"]
-            else:
-                os.environ["TRITON_INTERPRET"] = before
 
     def run(self, case, **kwargs):
         """Run ``case(rank, world, **kwargs)`` on every rank; return the per-rank results."""
