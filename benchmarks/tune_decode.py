@@ -96,7 +96,8 @@ def main():
                           policy_call_us=bench_call(policy, rep=args.rep_ms)))
         del q, k, v, kf, vf, kwargs, policy
         torch.cuda.empty_cache()
-    name = "tune_decode" + ("" if args.cache == "bf16" else f"_{args.cache}") + ("" if dt == torch.bfloat16 else "_float16")
+    name = "tune_decode" + ("" if args.cache == "bf16" else f"_{args.cache}")
+    name += "" if dt == torch.bfloat16 else "_float16"
     path = write_json(name, {"config": {"configs": configs, "cache": args.cache, "dtype": args.dtype}, "rows": rows,
                              "best": bests})
     # Per tile config: its time at its best split count on each shape, to choose one config for all.
