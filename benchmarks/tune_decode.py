@@ -1,8 +1,8 @@
 """Sweep flash_decode's tile config and split count on the GPU; the results set the defaults of
 cp_attention/heuristics.py (decode_config and the split policy of decode_plan).
 
-Hq=32, Hkv=8, D=128, bf16 (--dtype: the query's and the dense cache's dtype) on the shapes of SHAPES (--shapes). For every tile config of --configs and split
-count S in SPLITS (at most 8 programs per SM): flash_decode(q, k, v, plan=heuristics.decode_plan(...,
+Hq=32, Hkv=8, D=128 (--heads), bf16 (--dtype: the query's and the dense cache's dtype) on the shapes of
+SHAPES (--shapes). For every tile config of --configs and split count S in SPLITS (at most 8 programs per SM): flash_decode(q, k, v, plan=heuristics.decode_plan(...,
 splits=S, config=DecodeConfig(*cfg))), timed per call in a CUDA graph of 20 calls
 (benchmarks/_harness.py; the split policy decides GPU work only); per shape the best (config, S) against
 the policy's, in a graph and per call. ``--cache`` sweeps another form of the same cache: ``fp8`` (e4m3,
@@ -66,12 +66,14 @@ def main():
     ap.add_argument("--cache", choices=CACHES, default="bf16", help="the form of the cache (module docstring)")
     ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16",
                     help="dtype of the query (and of the cache before --cache converts it)")
+    ap.add_argument("--heads", default="32/8/128", metavar="HQ/HKV/D", help="query heads, KV heads, head dim")
     ap.add_argument("--configs", nargs="+", default=[",".join(map(str, c)) for c in CONFIGS],
                     metavar="BLOCK_N,WARPS,STAGES", help="tile configs to sweep")
     args = ap.parse_args()
     configs = [tuple(map(int, c.split(","))) for c in args.configs]
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes]
-    hq, hkv, d, dt = 32, 8, 128, getattr(torch, args.dtype)
+    hq, hkv, d = map(int, args.heads.split("/"))
+    dt = getattr(torch, args.dtype)
     rows, bests = [], []
     gen = torch.Generator("cuda").manual_seed(0)
     for b, t in tqdm(shapes, desc="shapes"):
@@ -98,7 +100,9 @@ def main():
         torch.cuda.empty_cache()
     name = "tune_decode" + ("" if args.cache == "bf16" else f"_{args.cache}")
     name += "" if dt == torch.bfloat16 else "_float16"
-    path = write_json(name, {"config": {"configs": configs, "cache": args.cache, "dtype": args.dtype}, "rows": rows,
+    name += "" if args.heads == "32/8/128" else "_" + args.heads.replace("/", "_")
+    path = write_json(name, {"config": {"configs": configs, "cache": args.cache, "dtype": args.dtype,
+                                        "heads": args.heads}, "rows": rows,
                              "best": bests})
     # Per tile config: its time at its best split count on each shape, to choose one config for all.
     per_cfg = []
