@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from typing import NamedTuple
 
 import torch
@@ -33,7 +34,7 @@ from ._constants import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, LOG2E
 from ._dispatch import use_triton
 from ._validate import (check_bool, check_head_dim, check_index_tensor, check_int, check_kv_layout, check_kv_scales,
                         check_sm_scale, check_tensor, check_unit_stride, check_variants)
-from .heuristics import DecodePlan, decode_plan, deterministic_plan, num_sms
+from .heuristics import DecodePlan, decode_plan, deterministic_plan, num_sms, use_pdl
 from .state import AttentionState
 
 __all__ = ["flash_decode"]
@@ -210,7 +211,7 @@ def _prepare(q, k, v, seq_lens, block_table, row_limits, sinks, scales, num_spli
         q.dtype, hq // geo.hkv, geo.q_rows, d, plan, has_seq_lens=seq_lens is not None, page_size=geo.page_size,
         causal=geo.q_rows > 1 and row_limits is None, row_limits=row_limits is not None, kv_scale=geo.kv_scale,
         window=window_left is not None and row_limits is None, softcap=softcap, sinks=sinks is not None,
-        export=plan.deterministic)
+        export=plan.deterministic, pdl=use_pdl(q.device) and os.environ.get("TRITON_INTERPRET") != "1")
     grid = (b * geo.hkv * tiling.n_rt, plan.num_splits)
     cuda = q.get_device() if q.is_cuda else None
     lse_shape = tuple(q.shape[:-1])

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from typing import NamedTuple
 
 import torch
 
-__all__ = ["num_splits", "num_sms", "DecodeConfig", "DecodePlan", "decode_config", "decode_plan", "deterministic_plan",
+__all__ = ["num_splits", "num_sms", "use_pdl", "DecodeConfig", "DecodePlan", "decode_config", "decode_plan", "deterministic_plan",
            "PrefixConfig", "PrefixPlan", "prefix_config", "prefix_plan", "REFERENCE_SMS"]
 
 # CPU tensors (the Triton interpreter) are planned as for the H200 the defaults were tuned on, so the
@@ -31,6 +32,7 @@ REFERENCE_SMS = 132
 _SMEM_PER_SM = 227 * 1024
 
 _NUM_SMS: dict = {}
+_PDL: dict = {}
 
 
 def num_sms(device: torch.device) -> int:
@@ -68,6 +70,20 @@ def num_splits(work_items: int, slots: int, n_kv_blocks: int, max_splits: int = 
         return 1
     best = max(eff.values())
     return next(s for s in sorted(eff) if eff[s] >= efficiency * best)
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Whether the split-KV kernel is launched with programmatic dependent launch on ``device`` (Note
+    [Programmatic dependent launch] in ``ops/split_kv.py``): CUDA devices of compute capability 9.0 or
+    more, unless the environment sets ``CP_ATTENTION_PDL=0`` (read once per device)."""
+    if device.type != "cuda":
+        return False
+    use = _PDL.get(device)
+    if use is None:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        use = _PDL[device] = (torch.cuda.get_device_capability(index)[0] >= 9
+                              and os.environ.get("CP_ATTENTION_PDL", "1") != "0")
+    return use
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -47,3 +47,17 @@ def test_split_kv_streams_16_byte_copies_into_tensor_cores(report):
         assert "mma.sync" in ptx or "wgmma" in ptx, s["id"]
         if s["constexprs"]["IS_SPLIT"]:
             assert "atom.global" in ptx, s["id"]  # the ticket counter of the fused combine
+        if s["constexprs"]["PDL"]:  # Note [Programmatic dependent launch]: wait first, release after the loop
+            assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents"), s["id"]
+
+
+def test_symm_merge_pushes_flagged_words_without_fences(report):
+    """Note [Symmetric-memory merge]: one relaxed system-scope 8-byte store per value, volatile polls, and
+    no fence or system-scope atomic on the path."""
+    specs = [s for s in report["specs"] if s["kernel"] == "_symm_merge_kernel"]
+    assert specs
+    for s in specs:
+        ptx = s["ptx"]
+        assert "st.relaxed.sys.global.b64" in ptx and "ld.volatile.global" in ptx, s["id"]
+        assert "fence" not in ptx and "membar" not in ptx and "atom" not in ptx, s["id"]
+        assert "griddepcontrol.wait" in ptx, s["id"]

@@ -39,11 +39,24 @@ hold the empty state, whose fold is exact (weights of exactly 0 and 1), so a req
 same bits whatever batch, capacity or GPU it runs on. A context-parallel rank whose contiguous shard holds
 whole splits exports its slots the same way; the all-gather concatenates them in rank order, which is
 global split order, and the same ``_combine_kernel`` merges them: bitwise the single-GPU result.
+
+Note [Programmatic dependent launch]
+------------------------------------
+On sm_90 and later the split kernel is launched with programmatic dependent launch (``PDL``; Triton's
+``launch_pdl``): the driver may start launching it before the kernel ahead of it in the stream has
+finished, once every program of that kernel has called ``griddepcontrol.launch_dependents`` (or exited).
+Its programs first execute ``griddepcontrol.wait``, which returns when the kernel ahead has completed and
+its memory is visible, so they read nothing (q, the cache, ``seq_lens``, the ticket counters) before it.
+Each program calls ``launch_dependents`` once its K/V reads are done: the launch of whatever follows, and
+its programs' placement on the SMs, overlap this kernel's state writes and the last program's merge (at
+batch 1 and short contexts a few µs of a call). A kernel that follows without the attribute simply waits
+for this one to finish, so the instructions change nothing else.
 """
 from typing import NamedTuple
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._dot import dot_flags
 from ._state import (add_sink, attend_tiles, fp16_query, kv_bases, merge_tile, score_scales, seq_length,
@@ -100,7 +113,10 @@ def _split_kv_kernel(
     HAS_SEQ_LENS: tl.constexpr, IS_PAGED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_ROW_LIMITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, KV_SCALE: tl.constexpr,
     IS_SPLIT: tl.constexpr, EXPORT: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # Note [Programmatic dependent launch]: nothing is read before the previous kernel is done
+        gdc_wait()
     ROWS: tl.constexpr = Q_ROWS * GROUP_SIZE  # query rows per KV head
     N_RT: tl.constexpr = (ROWS + BLOCK_H - 1) // BLOCK_H  # row tiles
     ROWS_T: tl.constexpr = BLOCK_H if ROWS > BLOCK_H else ROWS  # rows of a full tile
@@ -151,6 +167,8 @@ def _split_kv_kernel(
                               stride_btp, stride_kb, stride_vb, NUM_PAGES, t_start, t_end, qk_scale, cap, o_d, m_d,
                               BLOCK_H, BLOCK_N, BLOCK_D, PAGE_SIZE, IS_PAGED, HAS_WINDOW or HAS_ROW_LIMITS,
                               IS_CAUSAL or HAS_ROW_LIMITS, SOFTCAP, INPUT_PRECISION, UPCAST)
+    if PDL:  # the K/V reads are done: the next kernel may start its launch
+        gdc_launch_dependents()
     if KV_SCALE != 0:
         b_o = b_o * vs
 
@@ -257,7 +275,7 @@ def combine_block_s(num_splits: int, block_g: int, block_d: int) -> int:
 
 def split_kv_launch_config(dtype, group: int, q_rows: int, head_dim: int, plan, *, has_seq_lens: bool,
                            page_size: int, causal: bool, row_limits: bool, kv_scale: int = 0, window: bool = False,
-                           softcap: bool = False, sinks: bool = False, export: bool = False):
+                           softcap: bool = False, sinks: bool = False, export: bool = False, pdl: bool = False):
     """``(constexprs, launch options, row tiling)`` of the split-KV kernel for a
     :class:`~cp_attention.heuristics.DecodePlan`; ``page_size`` 0 for a dense cache.
 
@@ -270,6 +288,8 @@ def split_kv_launch_config(dtype, group: int, q_rows: int, head_dim: int, plan, 
     the fp32 workspace (:func:`workspace_floats` elements) and ``B * Hkv * n_rt`` zeroed int32 tickets
     (left zeroed); ``sm_scale``, ``k_scale``, ``v_scale``, the softcap times ``log2(e)``; then ``T_max``,
     the plan's tiles per split and splits, ``Hkv``, the pool's pages, the window and the strides.
+    ``pdl``: launched with programmatic dependent launch (Note [Programmatic dependent launch]; a CUDA
+    device of compute capability 9 or more, never the interpreter).
     """
     tiling = row_tiling(q_rows, group)
     block_d = next_pow2(head_dim)
@@ -278,8 +298,11 @@ def split_kv_launch_config(dtype, group: int, q_rows: int, head_dim: int, plan, 
                       BLOCK_S=combine_block_s(plan.num_splits, tiling.block_g, block_d),
                       HAS_SEQ_LENS=has_seq_lens, IS_PAGED=page_size > 0, IS_CAUSAL=causal, HAS_ROW_LIMITS=row_limits,
                       HAS_WINDOW=window, SOFTCAP=softcap, HAS_SINKS=sinks and not export, KV_SCALE=kv_scale,
-                      IS_SPLIT=plan.num_splits > 1 and not export, EXPORT=export, **dot_flags(dtype))
-    return constexprs, dict(num_warps=plan.config.num_warps, num_stages=plan.config.num_stages), tiling
+                      IS_SPLIT=plan.num_splits > 1 and not export, EXPORT=export, **dot_flags(dtype), PDL=pdl)
+    options = dict(num_warps=plan.config.num_warps, num_stages=plan.config.num_stages)
+    if pdl:
+        options["launch_pdl"] = True
+    return constexprs, options, tiling
 
 
 def combine_launch_config(group: int, q_rows: int, head_dim: int, sinks: bool):
@@ -312,8 +335,8 @@ def _aot_spec(group, q_rows, split, page_size=0, causal=False, row_limits=False,
                            BLOCK_S=combine_block_s(16, tiling.block_g, 128), HAS_SEQ_LENS=True,
                            IS_PAGED=page_size > 0, IS_CAUSAL=causal, HAS_ROW_LIMITS=row_limits,
                            HAS_WINDOW=window, SOFTCAP=softcap, HAS_SINKS=sinks, KV_SCALE=kv_scale, IS_SPLIT=split,
-                           EXPORT=export, INPUT_PRECISION="tf32", UPCAST=False),
-        "options": {"num_warps": 4, "num_stages": 3},
+                           EXPORT=export, INPUT_PRECISION="tf32", UPCAST=False, PDL=True),
+        "options": {"num_warps": 4, "num_stages": 3, "launch_pdl": True},
     }
 
 
