@@ -8,8 +8,8 @@ Context-parallel decode ends with ⊕ over every rank's packed states ``[..., D 
 * :class:`CollectiveExchange` (NCCL on GPUs, gloo on CPUs): one all-gather of the packed states, then the
   merge kernel over the gathered ``[W, ..., D + 1]`` in rank order;
 * :class:`SymmMemExchange` (GPUs of one host with NVLink P2P): the local attention writes its states into
-  this rank's slot of a persistent symmetric buffer, and one kernel pushes them into every peer's buffer,
-  signals, waits for the peers and merges (Note [Symmetric-memory merge] in ``ops/symm_merge.py``). No
+  this rank's part of a persistent symmetric buffer, and one kernel pushes them, flagged, into every
+  peer's buffer, waits for the peers' flagged states and merges (Note [Symmetric-memory merge] in ``ops/symm_merge.py``). No
   collective launch, no host synchronisation; a buffer per (shape, device), allocated at the first call of
   that shape (a collective: every rank makes the same calls) and reused by every later call and CUDA-graph
   replay. A call of a new shape inside a CUDA-graph capture cannot allocate: it takes the collective path
@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from . import _dispatch
-from .ops.symm_merge import flag_words, symm_merge_into
+from .heuristics import use_pdl
+from .ops.symm_merge import buffer_words, symm_merge_into
 from .state import AttentionState, merge_states
 
 EXCHANGES = ("auto", "symm", "collective")
@@ -66,7 +67,8 @@ class CollectiveExchange:
 
 
 class SymmMemExchange(CollectiveExchange):
-    """Push, signal, wait and merge in one kernel over NVLink symmetric memory (see the Note)."""
+    """One kernel over NVLink symmetric memory: push this rank's states with their flags, wait for the
+    peers' flagged states, merge (see the Note)."""
 
     name = "symm"
 
@@ -89,20 +91,16 @@ class SymmMemExchange(CollectiveExchange):
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         d = shape[-1] - 1
         m = math.prod(shape[:-1])
-        data_words = self.world * m * (d + 1)
         with torch.cuda.device(device):
-            buf = symm_mem.empty(data_words + flag_words(m, d, self.world), dtype=torch.float32, device=device)
+            buf = symm_mem.empty(buffer_words(m, d, self.world), dtype=torch.float32, device=device)
             handle = symm_mem.rendezvous(buf, self.group_name)
-            flags = buf[data_words:].view(torch.int32).view(2, -1, self.world)
-            flags[0].zero_()  # ready: nothing pushed yet
-            flags[1].fill_(1)  # done: every peer may push
+            buf.view(torch.int32).zero_()  # no flag set, no call made (ops/symm_merge.py)
             # The tensor may start inside its allocation: at the same offset on every rank (symmetric).
             offset = buf.data_ptr() - handle.buffer_ptrs[self.rank]
             ptrs = torch.tensor([p + offset for p in handle.buffer_ptrs], dtype=torch.int64, device=device)
             torch.cuda.synchronize(device)
-        dist.barrier(group=self.group, device_ids=[device.index])  # every rank's flags are set before any push
-        slot = buf[:data_words].view((self.world,) + shape)[self.rank]
-        return handle, slot, ptrs
+        dist.barrier(group=self.group, device_ids=[device.index])  # every rank's flags are zeroed before any push
+        return handle, buf[:m * (d + 1)].view(shape), ptrs
 
     def packed_buffer(self, shape, device) -> torch.Tensor:
         entry = self._buffer(shape, device) if device.type == "cuda" else None
@@ -123,7 +121,8 @@ class SymmMemExchange(CollectiveExchange):
         o = _dispatch.new_buffer(lead + (d,), out_dtype, packed.device)
         lse = _dispatch.new_buffer(lead, torch.float32, packed.device)
         if m:
-            symm_merge_into(entry[2], self.rank, self.world, m, d, o.view(m, d), lse.view(m), sinks=sinks)
+            symm_merge_into(entry[2], self.rank, self.world, m, d, o.view(m, d), lse.view(m), sinks=sinks,
+                            pdl=use_pdl(packed.device))
         return AttentionState(o, lse)
 
 

@@ -1,44 +1,51 @@
-"""Triton kernel for ⊕ across the GPUs of one host over symmetric memory: push, signal, wait, merge.
+"""Triton kernel for ⊕ across the GPUs of one host over symmetric memory: flagged pushes, then the merge.
 
 Note [Symmetric-memory merge]
 -----------------------------
 Every rank of a group owns one buffer of a symmetric allocation (``torch.distributed._symmetric_memory``:
 the same size on every rank, each rank's buffer mapped into every peer's address space over NVLink P2P)
-laid out as 32-bit words:
+laid out as:
 
-* ``data [W, M, D + 1]`` float32: slot ``r`` holds rank ``r``'s packed states (``o`` then ``lse``) of the
-  ``M`` rows (query heads of every request);
-* ``flags [2, P, W]`` int32: ``ready[p, r]`` and ``done[p, r]`` for each of the ``P`` programs and ranks.
+* ``own [M, D + 1]`` float32 (padded to an even number of words): this rank's packed states (``o`` then
+  ``lse``) of the ``M`` rows (query heads of every request), written there by the local attention;
+* ``recv [2, W, M, D + 1]`` 64-bit words: in half ``e % 2``, slot ``r`` receives rank ``r``'s states of
+  call ``e``, each 32-bit value in the low half of a word whose high half is ``e`` (the flag travels with
+  the data, as in NCCL's LL protocol);
+* ``epoch [P]`` int32: how many calls program ``p`` of this rank has made (only that program reads it).
 
-The local attention writes this rank's states straight into its own slot of its own buffer. Then one
-kernel, program ``p`` owning rows ``[p * BLOCK_M, (p + 1) * BLOCK_M)``, on every rank ``me``:
+One kernel, program ``p`` owning rows ``[p * BLOCK_M, (p + 1) * BLOCK_M)``, on every rank ``me``, call
+``e = epoch[p] + 1``:
 
-1. for every peer ``r``: wait until ``done[p, r]`` of its own buffer is 1 and set it to 0 (peer ``r`` has
-   finished reading what ``me`` pushed in the previous call), then store its rows of slot ``me`` into slot
-   ``me`` of peer ``r``'s buffer;
-2. a block barrier, then set ``ready[p, me]`` of every peer's buffer to 1 with a release at system scope
-   (the barrier orders the block's stores before the release);
-3. for every peer ``r``: wait until ``ready[p, r]`` of its own buffer is 1 (acquire, system scope) and set
-   it to 0, then a block barrier;
-4. ⊕ of the ``W`` slots of its rows in rank order (loads that bypass L1: the bytes came over NVLink), the
-   sinks once, the result in q's dtype;
-5. a block barrier, then set ``done[p, me]`` of every peer's buffer to 1: this rank has read its data.
+1. read its rows of ``own`` and store them, each value with ``e`` as its flag, into slot ``me`` of half
+   ``e % 2`` of every rank's ``recv`` (its own included): relaxed stores at system scope, one 8-byte store
+   per value, which a reader sees whole or not at all; nothing is waited for;
+2. load its rows of the ``W`` slots of its own half ``e % 2`` (volatile loads) until every word carries
+   flag ``e``: the data came with its flag, so no fence, release or second round trip is needed;
+3. ⊕ of the ``W`` states in rank order, the sinks once, the result in q's dtype; ``epoch[p] = e``.
 
-Each flag has one writer that sets it (1) and one reader that consumes it (0), and every set happens after
-the previous consume (a ready flag is set after the done wait that follows its reader's consume; a done
-flag after the ready wait that follows its reader's consume), so no counter or epoch is needed and the
-same kernel replays in a CUDA graph forever. The buffers start with ``ready = 0`` and ``done = 1``. There
-is no host synchronisation and no collective launch: one kernel, one NVLink store and one flag round trip.
-Every rank merges the same ``W`` states in the same order with the same code, so the results are bitwise
-identical on every rank. Spinning programs only wait for their counterparts on the peers, never for a
-program of their own GPU, so no co-residency beyond one program per rank is assumed.
+Why a half is free when it is written: a rank writes half ``e % 2`` of its peers in call ``e`` only after
+finishing call ``e - 1``, which needed every peer's call ``e - 1`` data, which each peer sent at the start
+of its call ``e - 1``, after finishing call ``e - 2`` (the last reader of half ``e % 2``). So no rank runs
+more than one call ahead of another, a half is never overwritten while it is read, and a word holds either
+flag ``e - 2`` (stale) or ``e``. Nothing is reset, so the same kernel replays in a CUDA graph forever; the
+buffers start zeroed (flags 0, epochs 0). There is no host synchronisation and no collective launch: one
+kernel and one NVLink store per value. Every rank merges the same ``W`` states in the same order with the
+same code, so the results are bitwise identical on every rank. Programs only wait for their counterparts
+on the peers (at most 256 programs of 128 threads: all resident at once).
+
+The kernel is launched with programmatic dependent launch where the split-KV kernel is (Note [Programmatic
+dependent launch] in ``ops/split_kv.py``): its programs wait (``griddepcontrol.wait``) before reading
+anything, so its launch overlaps the local attention's last merge.
 """
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from .._dispatch import cdiv, next_pow2
 from ._launch import launch
-from ._state import add_sink, merge_tile
+from ._state import add_sink, finalize, fold_states
+
+MAX_PROGRAMS = 256
 
 
 @triton.jit
@@ -48,16 +55,12 @@ def _peer(BUF_PTRS, r):
 
 
 @triton.jit
-def _set_flag(p_flag):
-    """Set a flag that its reader consumed: a release store at system scope."""
-    tl.atomic_xchg(p_flag, 1, sem="release", scope="sys")
-
-
-@triton.jit
-def _consume_flag(p_flag):
-    """Wait until a flag is set, then reset it: acquire at system scope."""
-    while tl.atomic_cas(p_flag, 1, 0, sem="acquire", scope="sys") != 1:
-        pass
+def _store_sys(p_words, words, mask):
+    """``*p_words = words`` where ``mask``: one relaxed 8-byte store at system scope per word (a reader on
+    any GPU sees a word whole or not at all)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.relaxed.sys.global.b64 [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,l,r", [p_words, words, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -65,85 +68,96 @@ def _symm_merge_kernel(
     BUF_PTRS, SINKS, O_OUT, LSE_OUT,
     rank, M, N_HEADS, stride_oom, stride_lom, stride_sink,
     WORLD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_F: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr,
+    BLOCK_F: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # the local attention that wrote `own` is done
+        gdc_wait()
     i_p = tl.program_id(0)
-    n_p = tl.num_programs(0)
     ROW: tl.constexpr = HEAD_DIM + 1
     i_m = i_p.to(tl.int64) * BLOCK_M
     n_rows = tl.minimum(M - i_m, BLOCK_M)
-    slot = M.to(tl.int64) * ROW  # words per slot
+    own_words = (M.to(tl.int64) * ROW + 1) // 2 * 2  # `own`, padded to whole 8-byte words
+    slot = M.to(tl.int64) * ROW  # 8-byte words per slot of `recv`
     p_mine = _peer(BUF_PTRS, rank)
-    p_flags = (p_mine + WORLD * slot).to(tl.pointer_type(tl.int32))  # this rank's flags
+    p_epoch = (p_mine + own_words + 4 * WORLD * slot).to(tl.pointer_type(tl.int32)) + i_p
+    e = tl.load(p_epoch, volatile=True) + 1
+    half = (e & 1).to(tl.int64) * WORLD * slot
+    # 1. this rank's rows, flagged with e, into slot `rank` of every rank's current half
     o_f = tl.arange(0, BLOCK_F)
     m_f = o_f < n_rows * ROW
-    # 1. push this rank's rows into slot `rank` of every peer, once the peer has read the last ones
-    b_x = tl.load(p_mine + rank * slot + i_m * ROW + o_f, mask=m_f)
+    bits = tl.load(p_mine + i_m * ROW + o_f, mask=m_f).to(tl.int32, bitcast=True)
+    words = (e.to(tl.int64) << 32) | (bits.to(tl.int64) & 0xFFFFFFFF)
     for r in tl.static_range(WORLD):
-        if r != rank:
-            _consume_flag(p_flags + (n_p + i_p) * WORLD + r)
-            tl.store(_peer(BUF_PTRS, r) + rank * slot + i_m * ROW + o_f, b_x, mask=m_f)
-    # 2. publish: the block's stores, then ready[i_p, rank] on every peer
-    tl.debug_barrier()
-    for r in tl.static_range(WORLD):
-        if r != rank:
-            p_peer_flags = (_peer(BUF_PTRS, r) + WORLD * slot).to(tl.pointer_type(tl.int32))
-            _set_flag(p_peer_flags + i_p * WORLD + rank)
-    # 3. wait for every peer's rows
-    for r in tl.static_range(WORLD):
-        if r != rank:
-            _consume_flag(p_flags + i_p * WORLD + r)
-    tl.debug_barrier()
-    # 4. ⊕ over the slots in rank order, the sinks once
+        p_recv = (_peer(BUF_PTRS, r) + own_words).to(tl.pointer_type(tl.int64))
+        _store_sys(p_recv + half + rank * slot + i_m * ROW + o_f, words, m_f)
+    # 2. the W slots of this rank's half, until every word carries flag e
+    o_s = tl.arange(0, BLOCK_S)
     o_r = tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, BLOCK_D)
     m_r = o_r < n_rows
     m_d = o_d < HEAD_DIM
-    p_rows = p_mine + i_m * ROW
-    b_o, b_lse = merge_tile(p_rows + HEAD_DIM, p_rows, WORLD, slot, ROW, slot, ROW, o_r, m_r, o_d, m_d,
-                            BLOCK_S, BLOCK_M, BLOCK_D, ".cv")
+    m_sr = (o_s < WORLD)[:, None] & m_r[None, :]
+    m_srd = m_sr[:, :, None] & m_d[None, None, :]
+    p_rows = (p_mine + own_words).to(tl.pointer_type(tl.int64)) + half + o_s[:, None] * slot + (i_m + o_r)[None, :] * ROW
+    p_o = p_rows[:, :, None] + o_d[None, None, :]
+    w_o = tl.load(p_o, mask=m_srd, other=0, volatile=True)
+    w_l = tl.load(p_rows + HEAD_DIM, mask=m_sr, other=0, volatile=True)
+    while (tl.sum(tl.where(m_srd, (w_o >> 32).to(tl.int32) != e, 0).to(tl.int32))
+           + tl.sum(tl.where(m_sr, (w_l >> 32).to(tl.int32) != e, 0).to(tl.int32))) > 0:
+        w_o = tl.load(p_o, mask=m_srd, other=0, volatile=True)
+        w_l = tl.load(p_rows + HEAD_DIM, mask=m_sr, other=0, volatile=True)
+    # 3. ⊕ over the slots in rank order, the sinks once
+    b_o = w_o.to(tl.int32).to(tl.float32, bitcast=True)
+    b_lse = tl.where(m_sr, w_l.to(tl.int32).to(tl.float32, bitcast=True), float("-inf"))
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    m_i, l_i, acc = fold_states(m_i, l_i, acc, b_lse, b_o)
+    b_o, b_lse = finalize(m_i, l_i, acc, 1.0)
     if HAS_SINKS:  # row m is query head m % N_HEADS
         b_o, b_lse = add_sink(b_o, b_lse, tl.load(SINKS + ((i_m + o_r) % N_HEADS) * stride_sink, mask=m_r, other=0.0))
     tl.store(O_OUT + (i_m + o_r)[:, None] * stride_oom + o_d[None, :], b_o.to(O_OUT.dtype.element_ty),
              mask=m_r[:, None] & m_d[None, :])
     tl.store(LSE_OUT + (i_m + o_r) * stride_lom, b_lse, mask=m_r)
-    # 5. this rank has read its slots: the peers may push the next call's rows
-    tl.debug_barrier()
-    for r in tl.static_range(WORLD):
-        if r != rank:
-            p_peer_flags = (_peer(BUF_PTRS, r) + WORLD * slot).to(tl.pointer_type(tl.int32))
-            _set_flag(p_peer_flags + (n_p + i_p) * WORLD + rank)
+    tl.store(p_epoch, e)
 
 
 def symm_plan(m: int, d: int, world: int):
-    """``(programs, BLOCK_M)`` for ``m`` rows of head dim ``d`` over ``world`` ranks: at most 128 programs,
-    each a power-of-two number of rows."""
-    block_m = next_pow2(cdiv(m, 128))
+    """``(programs, BLOCK_M)`` for ``m`` rows of head dim ``d`` over ``world`` ranks: at most
+    :data:`MAX_PROGRAMS` programs, each a power-of-two number of rows."""
+    block_m = next_pow2(cdiv(m, MAX_PROGRAMS))
     return cdiv(m, block_m), block_m
 
 
-def flag_words(m: int, d: int, world: int) -> int:
-    """Words of flags after the data of a buffer (``[2, P, W]`` int32, see the Note)."""
-    return 2 * symm_plan(m, d, world)[0] * world
+def buffer_words(m: int, d: int, world: int) -> int:
+    """32-bit words of one rank's buffer: ``own``, ``recv`` and ``epoch`` (see the Note)."""
+    own = -(-m * (d + 1) // 2) * 2
+    return own + 4 * world * m * (d + 1) + symm_plan(m, d, world)[0]
 
 
-def symm_merge_into(buf_ptrs, rank, world, m, d, o_out, lse_out, sinks=None) -> None:
+def symm_merge_into(buf_ptrs, rank, world, m, d, o_out, lse_out, sinks=None, pdl=False) -> None:
     """Launch the exchange-and-merge kernel of Note [Symmetric-memory merge].
 
-    ``buf_ptrs [W]`` int64 (device): every rank's buffer address; this rank's packed states ``[M, D + 1]``
-    float32 are in its slot ``rank``. Writes ``o_out [M, D]`` (any float dtype, unit stride in D) and
-    ``lse_out [M]`` float32 natural log; ``sinks [H]`` float32 join once (row ``m`` is head ``m % H``). Every
-    rank of the group must launch it with the same ``m``, ``d`` and ``world``; callers validate.
+    ``buf_ptrs [W]`` int64 (device): every rank's buffer address (:func:`buffer_words` words each, zeroed
+    before the first call); this rank's packed states ``[M, D + 1]`` float32 are at the start of its own
+    buffer. Writes ``o_out [M, D]`` (any float dtype, unit stride in D) and ``lse_out [M]`` float32 natural
+    log; ``sinks [H]`` float32 join once (row ``m`` is head ``m % H``). Every rank of the group must launch
+    it with the same ``m``, ``d`` and ``world``; callers validate. ``pdl``: launched with programmatic
+    dependent launch (compute capability 9.0 or more).
     """
     programs, block_m = symm_plan(m, d, world)
     has_sinks = sinks is not None
+    block_s, block_d = next_pow2(world), next_pow2(d)
+    options = dict(num_warps=4 if block_s * block_m * block_d <= 4096 else 8)
+    if pdl:
+        options["launch_pdl"] = True
     launch(
         _symm_merge_kernel, (programs,),
         (buf_ptrs, sinks if has_sinks else lse_out, o_out, lse_out, rank, m,
          sinks.shape[0] if has_sinks else 1, o_out.stride(0), lse_out.stride(0), sinks.stride(0) if has_sinks else 0),
-        dict(WORLD=world, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_D=next_pow2(d), BLOCK_F=next_pow2(block_m * (d + 1)),
-             BLOCK_S=next_pow2(world), HAS_SINKS=has_sinks),
-        num_warps=4,
+        dict(WORLD=world, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_F=next_pow2(block_m * (d + 1)),
+             BLOCK_S=block_s, HAS_SINKS=has_sinks, PDL=pdl),
+        **options,
     )
 
 
@@ -152,9 +166,9 @@ AOT_SPECS = [
     {
         "kernel": _symm_merge_kernel,
         "signature": {"BUF_PTRS": "*i64", "SINKS": "*fp32", "O_OUT": "*bf16", "LSE_OUT": "*fp32"},
-        "constexprs": {"WORLD": world, "HEAD_DIM": 128, "BLOCK_M": 1, "BLOCK_D": 128, "BLOCK_F": 256,
-                       "BLOCK_S": next_pow2(world), "HAS_SINKS": sinks},
-        "options": {"num_warps": 4},
+        "constexprs": {"WORLD": world, "HEAD_DIM": 128, "BLOCK_M": block_m, "BLOCK_D": 128,
+                       "BLOCK_F": next_pow2(block_m * 129), "BLOCK_S": next_pow2(world), "HAS_SINKS": sinks, "PDL": True},
+        "options": {"num_warps": 4, "launch_pdl": True},
     }
-    for world, sinks in ((2, False), (8, True))
+    for world, block_m, sinks in ((2, 1, False), (2, 8, False), (8, 2, True))
 ]
