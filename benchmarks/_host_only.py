@@ -170,8 +170,8 @@ def gpu_parts(q, k, v, seq_lens, calls: int) -> list[dict]:
     scratch = next(s for (dev, stream), s in decode._SCRATCH.items() if dev == q.get_device())
     stream = torch._C._cuda_getCurrentRawStream(q.get_device())
     qp = q.data_ptr()
-    work, counter, lse = scratch.ptrs
-    args = (qp, k.data_ptr(), v.data_ptr(), seq_lens.data_ptr(), qp, qp, qp, qp, qp, o.data_ptr(), lse, work, counter,
+    work, lse = scratch.ptrs
+    args = (qp, k.data_ptr(), v.data_ptr(), seq_lens.data_ptr(), qp, qp, qp, qp, qp, o.data_ptr(), lse, work,
             q.shape[-1] ** -0.5, 1.0, 1.0, 1.0) + launcher.tail
     grid = launcher.grid + (stream,)
     triton_args = grid + (compiled.function, compiled.packed_metadata, None, None, None) + args

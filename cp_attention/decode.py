@@ -15,8 +15,8 @@ kernel then gets the pointers the key read (``Launcher.launch_ptrs``). That is t
 whose index values are never read on the host (no sync; the kernels clamp them); host tensors (the
 interpreter) are checked in full at every call and only reuse the prepared launch. The last key found
 sits beside the dict, so a call site that repeats its call (a model's layers) compares keys instead of
-hashing them. The split workspace, the ticket counters of the fused combine and the LSE scratch of calls
-that do not return it are kept per (device, stream) and grow when needed; buffers a larger request
+hashing them. The split workspace and the LSE scratch of calls that do not return it are kept per
+(device, stream) and grow when needed; buffers a larger request
 replaces stay alive, because a captured CUDA graph may still use them. Where the host time of a call
 goes: benchmarks/NOTES.md, "Host path v6".
 """
@@ -152,7 +152,7 @@ class _Prepared(NamedTuple):
     """What a validated call with a given key launches (see Note [The decode hot path])."""
 
     launcher: object  # ops._launch.Launcher of the split-KV kernel, its integer arguments bound
-    combine: object  # the Launcher of the deterministic splits' combine (integer arguments bound), or None
+    combine: object  # the Launcher of the combine kernel (integer arguments bound), or None without splits
     cuda: int | None  # CUDA device index of the tensors; None: host tensors (the interpreter)
     device: torch.device
     shape: tuple  # o's shape (q's)
@@ -161,7 +161,6 @@ class _Prepared(NamedTuple):
     lse_shape: tuple
     sm_scale: float  # the default, 1 / sqrt(D)
     work_floats: int
-    counters: int
     lse_floats: int
     launches: bool  # B > 0
 
@@ -189,8 +188,8 @@ def _contiguous_strides(shape) -> tuple:
 def _prepare(q, k, v, seq_lens, block_table, row_limits, sinks, scales, num_splits, kv_layout, plan, o, lse,
              geo: CacheGeometry, window_left, softcap: bool, span, split_size, export: bool) -> _Prepared:
     from .ops._launch import Launcher
-    from .ops.split_kv import (_combine_kernel, _split_kv_kernel, combine_launch_config, export_floats,
-                               split_kv_launch_config, workspace_floats)
+    from .ops.split_kv import (_combine_kernel, _split_kv_kernel, combine_launch_config, export_floats, exports,
+                               split_kv_launch_config)
 
     b, hq, d = q.shape[0], q.shape[-2], q.shape[-1]
     multi = q.dim() == 4
@@ -207,11 +206,11 @@ def _prepare(q, k, v, seq_lens, block_table, row_limits, sinks, scales, num_spli
     # The kernel reads k/v through (batch or page, KV head, position or slot) strides.
     if kv_layout == "NHD":
         ks, vs = (ks[0], ks[2], ks[1]), (vs[0], vs[2], vs[1])
+    pdl = use_pdl(q.device) and os.environ.get("TRITON_INTERPRET") != "1"
     constexprs, options, tiling = split_kv_launch_config(
         q.dtype, hq // geo.hkv, geo.q_rows, d, plan, has_seq_lens=seq_lens is not None, page_size=geo.page_size,
         causal=geo.q_rows > 1 and row_limits is None, row_limits=row_limits is not None, kv_scale=geo.kv_scale,
-        window=window_left is not None and row_limits is None, softcap=softcap, sinks=sinks is not None,
-        export=plan.deterministic, pdl=use_pdl(q.device) and os.environ.get("TRITON_INTERPRET") != "1")
+        window=window_left is not None and row_limits is None, softcap=softcap, sinks=sinks is not None, pdl=pdl)
     grid = (b * geo.hkv * tiling.n_rt, plan.num_splits)
     cuda = q.get_device() if q.is_cuda else None
     lse_shape = tuple(q.shape[:-1])
@@ -220,58 +219,49 @@ def _prepare(q, k, v, seq_lens, block_table, row_limits, sinks, scales, num_spli
     o_strides = _bqh(o_strides, multi)
     lse_strides = _bqh(lse.stride() if lse is not None else _contiguous_strides(lse_shape), multi)
     sink_stride = sinks.stride(0) if sinks is not None else 0
-    int_args = (geo.t_max, plan.tiles_per_split, plan.num_splits, geo.hkv, geo.num_pages, window_left or 0,
+    int_args = (geo.t_max, plan.tiles_per_split, geo.hkv, geo.num_pages, window_left or 0,
                 *_bqh(q.stride(), multi), ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], *o_strides, *lse_strides,
                 seq_lens.stride(0) if seq_lens is not None else 0,
                 *(block_table.stride() if block_table is not None else (0, 0)),
                 *(row_limits.stride() if row_limits is not None else (0, 0, 0)),
                 *((sc.stride(0) if sc.dim() else 0) if geo.kv_scale == 2 else 0 for sc in scales), sink_stride)
     launcher = Launcher(_split_kv_kernel, grid, constexprs, device=cuda, static=int_args, **options)
-    combine = None
-    work = workspace_floats(b, geo.hkv, tiling, d, plan.num_splits)
-    if plan.deterministic:
+    combine, work = None, 0
+    if exports(plan):
         work = export_floats(b, geo.hkv, tiling, d, plan.num_splits)
-        c_constexprs, c_options = combine_launch_config(hq // geo.hkv, geo.q_rows, d, sinks is not None)
-        combine = Launcher(_combine_kernel, (grid[0],), c_constexprs, device=cuda,
+        c_constexprs, c_options, chunks = combine_launch_config(
+            hq // geo.hkv, geo.q_rows, d, sinks is not None, None if plan.deterministic else plan.num_splits, pdl)
+        combine = Launcher(_combine_kernel, (grid[0], chunks), c_constexprs, device=cuda,
                            static=(plan.num_splits, geo.hkv, *o_strides, *lse_strides, sink_stride), **c_options)
     return _Prepared(launcher, combine, cuda, q.device, tuple(q.shape), q.dtype, o_like_q, lse_shape,
-                     1.0 / math.sqrt(d), work, b * geo.hkv * tiling.n_rt, math.prod(lse_shape), b > 0)
+                     1.0 / math.sqrt(d), work, math.prod(lse_shape), b > 0)
 
 
 class _Scratch:
-    """Per (device, stream): the split workspace, the combine's ticket counters (zeroed; the kernel leaves
-    them zeroed) and the LSE of calls that do not return it, with their sizes and pointers."""
+    """Per (device, stream): the split workspace and the LSE of calls that do not return it, with their sizes
+    and pointers."""
 
-    __slots__ = ("work", "counter", "lse", "work_n", "counter_n", "lse_n", "ptrs", "retired", "counter_unset")
+    __slots__ = ("work", "lse", "work_n", "lse_n", "ptrs", "retired")
 
     def __init__(self):
-        self.work = self.counter = self.lse = None
-        self.work_n = self.counter_n = self.lse_n = -1
-        self.ptrs = (0, 0, 0)  # data_ptr() of work, counter, lse
+        self.work = self.lse = None
+        self.work_n = self.lse_n = -1
+        self.ptrs = (0, 0)  # data_ptr() of work, lse
         self.retired = []  # replaced buffers that captured graphs may still use
-        self.counter_unset = False  # allocated during a capture: zeroed only when the graph replays
 
     def fits(self, prep: _Prepared) -> bool:
-        return (not self.counter_unset and self.work_n >= prep.work_floats and self.counter_n >= prep.counters
-                and self.lse_n >= prep.lse_floats)
+        return self.work_n >= prep.work_floats and self.lse_n >= prep.lse_floats
 
     def grow(self, device, prep: _Prepared) -> None:
-        """Make the buffers hold ``prep``'s needs (and zero counters allocated during a capture)."""
+        """Make the buffers hold ``prep``'s needs."""
         if self.work_n < prep.work_floats:
             self._retire(self.work)
             self.work = torch.empty(max(prep.work_floats, 1 << 16), dtype=torch.float32, device=device)
         if self.lse_n < prep.lse_floats:
             self._retire(self.lse)
             self.lse = torch.empty(max(prep.lse_floats, 1 << 12), dtype=torch.float32, device=device)
-        if self.counter_n < prep.counters:
-            self._retire(self.counter)
-            self.counter = torch.zeros(max(prep.counters, 1024), dtype=torch.int32, device=device)
-            self.counter_unset = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        elif self.counter_unset and not torch.cuda.is_current_stream_capturing():
-            self.counter.zero_()
-            self.counter_unset = False
-        self.work_n, self.counter_n, self.lse_n = self.work.numel(), self.counter.numel(), self.lse.numel()
-        self.ptrs = (self.work.data_ptr(), self.counter.data_ptr(), self.lse.data_ptr())
+        self.work_n, self.lse_n = self.work.numel(), self.lse.numel()
+        self.ptrs = (self.work.data_ptr(), self.lse.data_ptr())
 
     def _retire(self, buf):
         if buf is not None:
@@ -458,7 +448,7 @@ def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num
     if scratch is None or not scratch.fits(prep):
         scratch = _scratch(prep, stream)
     if prep.launches:  # the launchers have compiled: the call that prepared them launched them
-        wp, cp, lsep = scratch.ptrs
+        wp, lsep = scratch.ptrs
         if _export is not None:
             wp = _export.data_ptr()
         if lse_out is not None:
@@ -466,7 +456,7 @@ def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num
         sinkp = qp if sinks is None else sinks.data_ptr()
         prep.launcher.launch_ptrs(stream, (qp, kp, vp, slp, qp if block_table is None else block_table.data_ptr(),
                                            qp if _row_limits is None else _row_limits.data_ptr(), kscp, vscp, sinkp,
-                                           op, lsep, wp, cp, scale, ks, vs, cap))
+                                           op, lsep, wp, scale, ks, vs, cap))
         if prep.combine is not None and _export is None:
             prep.combine.launch_ptrs(stream, (wp, sinkp, op, lsep))
     if return_lse:
@@ -496,8 +486,7 @@ def _launch(prep: _Prepared, scratch: _Scratch, q, k, v, seq_lens, block_table, 
     lse = scratch.lse if lse is None else lse
     sinks = q if sinks is None else sinks
     prep.launcher(q, k, v, q if seq_lens is None else seq_lens, q if block_table is None else block_table,
-                  q if row_limits is None else row_limits, k_sc, v_sc, sinks, o, lse, work, scratch.counter,
-                  scale, ks, vs, cap)
+                  q if row_limits is None else row_limits, k_sc, v_sc, sinks, o, lse, work, scale, ks, vs, cap)
     if prep.combine is not None and export is None:
         prep.combine(work, sinks, o, lse)
 
@@ -565,9 +554,9 @@ def combine_exported(q, hkv: int, slots, n_slots: int, o, lse, sinks=None) -> No
 
     b, hq, d = q.shape[0], q.shape[-2], q.shape[-1]
     q_rows = q.shape[1] if q.dim() == 4 else 1
-    constexprs, options = combine_launch_config(hq // hkv, q_rows, d, sinks is not None)
+    constexprs, options, chunks = combine_launch_config(hq // hkv, q_rows, d, sinks is not None)
     multi = q.dim() == 4
-    launch(_combine_kernel, (b * hkv * row_tiling(q_rows, hq // hkv).n_rt,),
+    launch(_combine_kernel, (b * hkv * row_tiling(q_rows, hq // hkv).n_rt, chunks),
            (slots, q if sinks is None else sinks, o, lse, n_slots, hkv, *_bqh(o.stride(), multi),
             *_bqh(lse.stride(), multi), sinks.stride(0) if sinks is not None else 0), constexprs, **options)
 

@@ -45,8 +45,7 @@ def test_split_kv_streams_16_byte_copies_into_tensor_cores(report):
         assert "cp.async.cg.shared.global" in ptx and ", 16;" in ptx, s["id"]
         # ... and meet the packed query heads on the tensor cores.
         assert "mma.sync" in ptx or "wgmma" in ptx, s["id"]
-        if s["constexprs"]["IS_SPLIT"]:
-            assert "atom.global" in ptx, s["id"]  # the ticket counter of the fused combine
+        assert "atom" not in ptx, s["id"]  # level 2 is the combine kernel's: no ticket, no atomic
         if s["constexprs"]["PDL"]:  # Note [Programmatic dependent launch]: wait first, release after the loop
             assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents"), s["id"]
 

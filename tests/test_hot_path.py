@@ -8,9 +8,17 @@ import torch
 
 from cp_attention import AttentionState, decode, flash_decode
 from cp_attention.heuristics import decode_plan
-from cp_attention.ops.split_kv import _split_kv_kernel
+from cp_attention.ops.split_kv import _combine_kernel, _split_kv_kernel
 
 ARG_NAMES = _split_kv_kernel.arg_names
+
+
+class _Log(list):
+    """The split kernel's launches (kind, arguments); ``combine``: the combine kernel's."""
+
+    def __init__(self):
+        super().__init__()
+        self.combine = []
 
 
 class _Compiled:
@@ -32,13 +40,16 @@ class _Compiled:
 
 @pytest.fixture
 def cuda_path(monkeypatch):
-    """CPU tensors take flash_decode's CUDA path; returns the list of launches (kind, arguments)."""
-    log = []
+    """CPU tensors take flash_decode's CUDA path; returns the split kernel's launches (kind, arguments), and
+    the combine kernel's in ``.combine``."""
+    log = _Log()
 
     def getitem(kernel, grid):
+        mine = log if kernel is _split_kv_kernel else log.combine
+
         def first_launch(*args, **kwargs):  # the JIT: compiles, launches, returns the compiled kernel
-            log.append(("jit", args + tuple(x for name, x in kwargs.items() if name in ARG_NAMES)))
-            return _Compiled(log)
+            mine.append(("jit", args + tuple(x for name, x in kwargs.items() if name in kernel.arg_names)))
+            return _Compiled(mine)
         return first_launch
 
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: -1, raising=False)
@@ -87,6 +98,14 @@ def test_repeated_call_launches_directly_with_the_new_pointers(cuda_path):
             want[ARG_NAMES.index("LSE")] = arg(second, "LSE")
             assert arg(second, "LSE") != arg(first, "LSE").data_ptr()
         assert list(second) == want
+        # several splits: the combine kernel writes the output, with the same new pointers
+        names = _combine_kernel.arg_names
+        (ckind1, cfirst), (ckind2, csecond) = cuda_path.combine
+        assert (ckind1, ckind2) == ("jit", "run") and len(cfirst) == len(csecond) == len(names)
+        assert csecond[names.index("O")] == o2.data_ptr() and cfirst[names.index("O")] is o1
+        assert csecond[names.index("WORK")] == arg(second, "WORK") == arg(first, "WORK").data_ptr()
+        assert csecond[names.index("LSE")] == arg(second, "LSE")
+        cuda_path.combine.clear()
 
 
 def test_a_prepared_key_does_not_skip_the_checks(cuda_path):

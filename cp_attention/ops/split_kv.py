@@ -1,7 +1,7 @@
-"""Split-KV decode kernel (⊕ levels 1 and 2) with the combine fused in.
+"""Split-KV decode kernels: level 1 of ⊕ in the split kernel, level 2 in the combine kernel.
 
-Note [Split-KV decode with a fused combine]
--------------------------------------------
+Note [Split-KV decode]
+----------------------
 Grid ``(B * Hkv * N_RT, S)``. Program ``(i_p, i_s)`` owns row tile ``i_rt`` of KV head ``i_h`` of
 sequence ``i_b`` and the token range ``[i_s * CHUNK, (i_s + 1) * CHUNK) ∩ [0, seq_len)`` with
 ``CHUNK = TILES_PER_SPLIT * BLOCK_N``. Its query rows are the ``Q_ROWS * GROUP_SIZE`` pairs (query row,
@@ -16,14 +16,23 @@ context-parallel rank sees of the global causal rule). A row that sees no key ke
 (o = 0, lse = -inf). The cache is dense ``[B, Hkv, T, D]`` (through its strides) or a page pool read
 through a block table (``IS_PAGED``; ``ops/_state.py``).
 
-With one split the program writes the output directly. With several, it writes its state to an fp32
-workspace ``o [P, S, ROWS_T, D]``, ``lse [P, S, ROWS_T]`` (``P = B * Hkv * N_RT`` programs of ``ROWS_T``
-rows; natural log; the states of one program's rows are one contiguous block), then takes a ticket from
-a per-program counter with an acq_rel atomic: the program that draws the last ticket merges the states
-of the non-empty splits, ``BLOCK_G`` rows at a time (level 2, ``merge_tile``: one load round trip per
-``BLOCK_S`` splits), and resets the counter to 0, so the next call (or CUDA-graph replay) starts clean.
-One launch, no host synchronisation, no value-dependent allocation. The split layout depends on
-``T_max`` only; ``seq_lens`` are read on the device.
+With one split the program writes the output directly. With several (``EXPORT``), it writes its state
+into slot ``i_s`` of a split-major fp32 workspace: slot ``j`` holds ``o [P * ROWS_T, D]`` then ``lse
+[P * ROWS_T]`` (``P = B * Hkv * N_RT`` programs of ``ROWS_T`` rows; natural log), and ``_combine_kernel``
+merges the slots (Note [Level 2 in its own kernel]). No host synchronisation, no value-dependent
+allocation: the split layout depends on ``T_max`` only; ``seq_lens`` are read on the device, and a split
+past a sequence's end holds the empty state, whose weight in the merge is exactly 0.
+
+Note [Level 2 in its own kernel]
+--------------------------------
+``_combine_kernel`` runs one program per query row (grid ``(P, ROWS_T)``), each reading its row's states
+of every split in one load round trip (``BLOCK_S`` states at a time) and writing the output row. Merging
+in the split kernel's last program (the combine fused in through a ticket counter, as this kernel did
+before) was measured slower on the H200 (benchmarks/NOTES.md, "Level 2 in its own kernel"): one SM pulled
+every state of a (sequence, KV head) from L2 at about 10 GB/s, 2-3 µs per round trip of ``BLOCK_S``
+states, so the tail grew with the split count times the GQA group (15 µs at 32 splits of 8 rows), while
+a program per row reads its 32 states in one round trip on its own SM. With programmatic dependent
+launch the combine's launch overlaps the split kernel's last state writes.
 
 The output ``o``/``lse`` may be any strided view (fp32 slots of a caller's workspace included), which is
 how cascade levels and context-parallel ranks receive unrounded states.
@@ -34,11 +43,12 @@ With a fixed ``split_size`` the splits cover absolute positions ``[j * split_siz
 (tiles of a size that divides it), independent of the batch, the SM count and the cache capacity. The
 split kernel then exports every split's state (``EXPORT``: split-major slots ``[o (P * ROWS_T, D), lse
 (P * ROWS_T)]``) and ``_combine_kernel`` merges all the slots of a row in slot order with constexprs that
-depend only on the model's shapes (``BLOCK_S`` fixed at its 16-split value). Slots past a sequence's end
+depend only on the model's shapes (``BLOCK_S`` fixed by the head dim). Slots past a sequence's end
 hold the empty state, whose fold is exact (weights of exactly 0 and 1), so a request's output is the
 same bits whatever batch, capacity or GPU it runs on. A context-parallel rank whose contiguous shard holds
 whole splits exports its slots the same way; the all-gather concatenates them in rank order, which is
-global split order, and the same ``_combine_kernel`` merges them: bitwise the single-GPU result.
+global split order, and the same ``_combine_kernel`` merges them: bitwise the single-GPU result. (The
+policy's splits go through the same two kernels; their ``BLOCK_S`` follows the split count.)
 
 Note [Programmatic dependent launch]
 ------------------------------------
@@ -46,11 +56,11 @@ On sm_90 and later the split kernel is launched with programmatic dependent laun
 ``launch_pdl``): the driver may start launching it before the kernel ahead of it in the stream has
 finished, once every program of that kernel has called ``griddepcontrol.launch_dependents`` (or exited).
 Its programs first execute ``griddepcontrol.wait``, which returns when the kernel ahead has completed and
-its memory is visible, so they read nothing (q, the cache, ``seq_lens``, the ticket counters) before it.
-Each program calls ``launch_dependents`` once its K/V reads are done: the launch of whatever follows, and
-its programs' placement on the SMs, overlap this kernel's state writes and the last program's merge (at
-batch 1 and short contexts a few µs of a call). A kernel that follows without the attribute simply waits
-for this one to finish, so the instructions change nothing else.
+its memory is visible, so they read nothing (q, the cache, ``seq_lens``, the workspace) before it. Each
+split program calls ``launch_dependents`` once its K/V reads are done, so the combine kernel (also launched
+with PDL) is placed on the SMs while the last states are written; the combine calls it on entry, so the
+next decode's split kernel is launched while it merges. A kernel that follows without the attribute
+simply waits for this one to finish, so the instructions change nothing else.
 """
 from typing import NamedTuple
 
@@ -75,32 +85,31 @@ def row_heads(o_r, i_h64, GROUP_SIZE: tl.constexpr, Q_ROWS: tl.constexpr):
 
 
 @triton.jit
-def combine_rows(p_lse, p_o, n, stride_ls, stride_os, SINKS, O, LSE, i_b64, i_h64, i_rt,
+def combine_rows(p_lse, p_o, n, stride_ls, stride_os, SINKS, O, LSE, i_b64, i_h64, i_rt, c,
                  stride_ob, stride_oq, stride_oh, stride_lb, stride_lq, stride_lh, stride_sink, o_d, m_d,
                  GROUP_SIZE: tl.constexpr, Q_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
                  ROWS_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
                  BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr, CACHE: tl.constexpr):
-    """Level 2 for the rows of one row tile: ⊕ of ``n`` states per row (state ``j`` of row ``r`` at ``p_lse
-    + j * stride_ls + r`` and ``p_o + j * stride_os + r * HEAD_DIM``), ``BLOCK_G`` rows at a time, the
-    sinks once, then the output rows in ``O``/``LSE``."""
-    for c in tl.static_range(0, (ROWS_T + BLOCK_G - 1) // BLOCK_G):
-        o_g = c * BLOCK_G + tl.arange(0, BLOCK_G)
-        o_rg = i_rt * BLOCK_H + o_g
-        m_g = (o_g < ROWS_T) & (o_rg < ROWS)
-        b_o, b_lse = merge_tile(p_lse, p_o, n, stride_ls, 1, stride_os, HEAD_DIM, o_g, m_g, o_d, m_d, BLOCK_S, BLOCK_G,
-                                BLOCK_D, CACHE)
-        o_q, o_h = row_heads(o_rg, i_h64, GROUP_SIZE, Q_ROWS)
-        if HAS_SINKS:  # the sink joins once, after every split
-            b_o, b_lse = add_sink(b_o, b_lse, tl.load(SINKS + o_h * stride_sink, mask=m_g, other=0.0))
-        p_out = O + i_b64 * stride_ob + (o_q * stride_oq + o_h * stride_oh)[:, None] + o_d[None, :]
-        tl.store(p_out, b_o.to(O.dtype.element_ty), mask=m_g[:, None] & m_d[None, :])
-        tl.store(LSE + i_b64 * stride_lb + o_q * stride_lq + o_h * stride_lh, b_lse, mask=m_g)
+    """Level 2 for chunk ``c`` (``BLOCK_G`` rows) of the rows of one row tile: ⊕ of ``n`` states per row
+    (state ``j`` of row ``r`` at ``p_lse + j * stride_ls + r`` and ``p_o + j * stride_os + r * HEAD_DIM``),
+    the sinks once, then the output rows in ``O``/``LSE``."""
+    o_g = c * BLOCK_G + tl.arange(0, BLOCK_G)
+    o_rg = i_rt * BLOCK_H + o_g
+    m_g = (o_g < ROWS_T) & (o_rg < ROWS)
+    b_o, b_lse = merge_tile(p_lse, p_o, n, stride_ls, 1, stride_os, HEAD_DIM, o_g, m_g, o_d, m_d, BLOCK_S, BLOCK_G,
+                            BLOCK_D, CACHE)
+    o_q, o_h = row_heads(o_rg, i_h64, GROUP_SIZE, Q_ROWS)
+    if HAS_SINKS:  # the sink joins once, after every split
+        b_o, b_lse = add_sink(b_o, b_lse, tl.load(SINKS + o_h * stride_sink, mask=m_g, other=0.0))
+    p_out = O + i_b64 * stride_ob + (o_q * stride_oq + o_h * stride_oh)[:, None] + o_d[None, :]
+    tl.store(p_out, b_o.to(O.dtype.element_ty), mask=m_g[:, None] & m_d[None, :])
+    tl.store(LSE + i_b64 * stride_lb + o_q * stride_lq + o_h * stride_lh, b_lse, mask=m_g)
 
 
 @triton.jit
 def _split_kv_kernel(
-    Q, K, V, SEQ_LENS, BLOCK_TABLE, ROW_LIMITS, K_SCALE, V_SCALE, SINKS, O, LSE, WORK, COUNTER,
-    sm_scale, k_scale, v_scale, cap, T_MAX, TILES_PER_SPLIT, NUM_SPLITS, HKV, NUM_PAGES, WINDOW,
+    Q, K, V, SEQ_LENS, BLOCK_TABLE, ROW_LIMITS, K_SCALE, V_SCALE, SINKS, O, LSE, WORK,
+    sm_scale, k_scale, v_scale, cap, T_MAX, TILES_PER_SPLIT, HKV, NUM_PAGES, WINDOW,
     stride_qb, stride_qq, stride_qh,
     stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt,
@@ -109,18 +118,15 @@ def _split_kv_kernel(
     stride_sl, stride_btb, stride_btp, stride_rlb, stride_rlq, stride_rlx, stride_ksh, stride_vsh, stride_sink,
     GROUP_SIZE: tl.constexpr, Q_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
     HAS_SEQ_LENS: tl.constexpr, IS_PAGED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_ROW_LIMITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, KV_SCALE: tl.constexpr,
-    IS_SPLIT: tl.constexpr, EXPORT: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    PDL: tl.constexpr,
+    EXPORT: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # Note [Programmatic dependent launch]: nothing is read before the previous kernel is done
         gdc_wait()
     ROWS: tl.constexpr = Q_ROWS * GROUP_SIZE  # query rows per KV head
     N_RT: tl.constexpr = (ROWS + BLOCK_H - 1) // BLOCK_H  # row tiles
     ROWS_T: tl.constexpr = BLOCK_H if ROWS > BLOCK_H else ROWS  # rows of a full tile
-    tl.static_assert(BLOCK_G <= BLOCK_H)
     i_p = tl.program_id(0)
     i_s = tl.program_id(1)
     i_bh = i_p // N_RT
@@ -174,7 +180,7 @@ def _split_kv_kernel(
 
     if EXPORT:
         # Split-major states for _combine_kernel: slot i_s holds o [P * ROWS_T, HEAD_DIM] then lse
-        # [P * ROWS_T] (Note [Deterministic splits]).
+        # [P * ROWS_T] (Note [Split-KV decode]).
         n_rows = tl.num_programs(0).to(tl.int64) * ROWS_T
         o_rt = tl.arange(0, BLOCK_H)
         m_rt = (o_rt < ROWS_T) & m_r
@@ -182,29 +188,6 @@ def _split_kv_kernel(
         row0 = i_p.to(tl.int64) * ROWS_T
         tl.store(p_slot + (row0 + o_rt)[:, None] * HEAD_DIM + o_d[None, :], b_o, mask=m_rt[:, None] & m_d[None, :])
         tl.store(p_slot + n_rows * HEAD_DIM + row0 + o_rt, b_lse, mask=m_rt)
-    elif IS_SPLIT:
-        # Workspace: o [P, S, ROWS_T, HEAD_DIM], then lse [P, S, ROWS_T].
-        n_states = tl.num_programs(0).to(tl.int64) * NUM_SPLITS * ROWS_T
-        WORK_LSE = WORK + n_states * HEAD_DIM
-        o_rt = tl.arange(0, BLOCK_H)  # row within the tile
-        m_rt = (o_rt < ROWS_T) & m_r
-        row0 = (i_p.to(tl.int64) * NUM_SPLITS + i_s) * ROWS_T  # this program's first state
-        tl.store(WORK + (row0 + o_rt)[:, None] * HEAD_DIM + o_d[None, :], b_o, mask=m_rt[:, None] & m_d[None, :])
-        tl.store(WORK_LSE + row0 + o_rt, b_lse, mask=m_rt)
-        tl.debug_barrier()
-        ticket = tl.atomic_add(COUNTER + i_p, 1, sem="acq_rel", scope="gpu")
-        if ticket == NUM_SPLITS - 1:
-            # Last program of this row tile: merge the non-empty splits, BLOCK_G rows at a time.
-            first = i_p.to(tl.int64) * NUM_SPLITS * ROWS_T
-            if HAS_WINDOW or HAS_ROW_LIMITS:
-                n_valid = tl.cdiv(tl.maximum(seq_len - base, 0), chunk)
-            else:
-                n_valid = tl.cdiv(seq_len, chunk)
-            combine_rows(WORK_LSE + first, WORK + first * HEAD_DIM, n_valid, ROWS_T, ROWS_T * HEAD_DIM, SINKS, O, LSE,
-                         i_b64, i_h64, i_rt, stride_ob, stride_oq, stride_oh, stride_lb, stride_lq, stride_lh,
-                         stride_sink, o_d, m_d, GROUP_SIZE, Q_ROWS, HEAD_DIM, ROWS, ROWS_T, BLOCK_H, BLOCK_G, BLOCK_S,
-                         BLOCK_D, HAS_SINKS, ".cg")
-            tl.atomic_xchg(COUNTER + i_p, 0)
     else:
         if HAS_SINKS:
             b_o, b_lse = add_sink(b_o, b_lse, tl.load(SINKS + o_hq * stride_sink, mask=m_r, other=0.0))
@@ -220,15 +203,19 @@ def _combine_kernel(
     stride_ob, stride_oq, stride_oh, stride_lb, stride_lq, stride_lh, stride_sink,
     GROUP_SIZE: tl.constexpr, Q_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
+    HAS_SINKS: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Level 2 of the deterministic splits: program ``i_p`` (a row tile of a (sequence, KV head), as in
-    ``_split_kv_kernel``) merges its rows' states in the ``N_SLOTS`` split-major slots of ``WORK`` in slot
-    order (Note [Deterministic splits])."""
+    """Level 2 of the exported split states: program ``(i_p, i_c)`` merges chunk ``i_c`` (``BLOCK_G``
+    rows) of row tile ``i_p`` (a row tile of a (sequence, KV head), as in ``_split_kv_kernel``) over the
+    ``N_SLOTS`` split-major slots of ``WORK``, in slot order (Note [Level 2 in its own kernel])."""
+    if PDL:  # the split kernel that wrote WORK is done; the next kernel may start its launch
+        gdc_wait()
+        gdc_launch_dependents()
     ROWS: tl.constexpr = Q_ROWS * GROUP_SIZE
     N_RT: tl.constexpr = (ROWS + BLOCK_H - 1) // BLOCK_H
     ROWS_T: tl.constexpr = BLOCK_H if ROWS > BLOCK_H else ROWS
     i_p = tl.program_id(0)
+    i_c = tl.program_id(1)
     i_bh = i_p // N_RT
     i_rt = i_p % N_RT
     i_b64 = (i_bh // HKV).to(tl.int64)
@@ -238,7 +225,7 @@ def _combine_kernel(
     n_rows = tl.num_programs(0).to(tl.int64) * ROWS_T
     row0 = i_p.to(tl.int64) * ROWS_T
     combine_rows(WORK + n_rows * HEAD_DIM + row0, WORK + row0 * HEAD_DIM, N_SLOTS, n_rows * (HEAD_DIM + 1),
-                 n_rows * (HEAD_DIM + 1), SINKS, O, LSE, i_b64, i_h64, i_rt, stride_ob, stride_oq, stride_oh,
+                 n_rows * (HEAD_DIM + 1), SINKS, O, LSE, i_b64, i_h64, i_rt, i_c, stride_ob, stride_oq, stride_oh,
                  stride_lb, stride_lq, stride_lh, stride_sink, o_d, m_d, GROUP_SIZE, Q_ROWS, HEAD_DIM, ROWS, ROWS_T,
                  BLOCK_H, BLOCK_G, BLOCK_S, BLOCK_D, HAS_SINKS, "")
 
@@ -250,34 +237,28 @@ class RowTiling(NamedTuple):
     block_h: int
     n_rt: int
     rows_t: int
-    block_g: int
 
 
 def row_tiling(q_rows: int, group: int) -> RowTiling:
-    """Tiles of at most 64 rows (16 at least: the smallest ``tl.dot`` tile); the combine holds at most 16
-    rows of states at once."""
+    """Tiles of at most 64 rows (16 at least: the smallest ``tl.dot`` tile)."""
     rows = q_rows * group
     block_h = max(16, min(64, next_pow2(rows)))
-    rows_t = min(rows, block_h)
-    return RowTiling(block_h, -(-rows // block_h), rows_t, min(16, next_pow2(rows_t)))
+    return RowTiling(block_h, -(-rows // block_h), min(rows, block_h))
 
 
-def workspace_floats(batch: int, hkv: int, tiling: RowTiling, head_dim: int, num_splits: int) -> int:
-    """fp32 elements of the split workspace (0 without splits)."""
-    return 0 if num_splits == 1 else batch * hkv * tiling.n_rt * num_splits * tiling.rows_t * (head_dim + 1)
-
-
-def combine_block_s(num_splits: int, block_g: int, block_d: int) -> int:
-    """Splits the combine reads per load: it holds ``BLOCK_S x BLOCK_G x BLOCK_D`` fp32 in registers, at
-    most 8192 (64 per thread of 4 warps)."""
-    return max(1, min(next_pow2(num_splits), 8192 // (block_g * block_d)))
+def exports(plan) -> bool:
+    """Whether the split kernel of ``plan`` exports split states for ``_combine_kernel`` (several splits, or
+    deterministic splits) instead of writing the output."""
+    return plan.num_splits > 1 or plan.deterministic
 
 
 def split_kv_launch_config(dtype, group: int, q_rows: int, head_dim: int, plan, *, has_seq_lens: bool,
                            page_size: int, causal: bool, row_limits: bool, kv_scale: int = 0, window: bool = False,
-                           softcap: bool = False, sinks: bool = False, export: bool = False, pdl: bool = False):
+                           softcap: bool = False, sinks: bool = False, pdl: bool = False):
     """``(constexprs, launch options, row tiling)`` of the split-KV kernel for a
-    :class:`~cp_attention.heuristics.DecodePlan`; ``page_size`` 0 for a dense cache.
+    :class:`~cp_attention.heuristics.DecodePlan`; ``page_size`` 0 for a dense cache. With several splits
+    (or deterministic ones) it exports their states and ``_combine_kernel`` (:func:`combine_launch_config`)
+    writes the output.
 
     The kernel's arguments, in order: ``q [B, Q, Hq, D]`` (unit stride in D); ``k``, ``v`` (a dense cache
     read as ``[B, Hkv, T, D]``, or page pools read as ``[pages, Hkv, page_size, D]``, through their
@@ -285,73 +266,78 @@ def split_kv_launch_config(dtype, group: int, q_rows: int, head_dim: int, plan, 
     [B]``, ``block_table [B, max_pages]``, ``row_limits [B, Q, 2]`` (each row's first and end position on
     this cache), the K and V scale tensors, ``sinks [Hq]`` (any strides; any tensor when unused); ``o [B, Q,
     Hq, D]`` (any float dtype, unit stride in D) and ``lse [B, Q, Hq]`` float32 natural log, any strides;
-    the fp32 workspace (:func:`workspace_floats` elements) and ``B * Hkv * n_rt`` zeroed int32 tickets
-    (left zeroed); ``sm_scale``, ``k_scale``, ``v_scale``, the softcap times ``log2(e)``; then ``T_max``,
-    the plan's tiles per split and splits, ``Hkv``, the pool's pages, the window and the strides.
+    the fp32 workspace of the exported states (:func:`export_floats` elements); ``sm_scale``, ``k_scale``,
+    ``v_scale``, the softcap times ``log2(e)``; then ``T_max``, the plan's tiles per split, ``Hkv``, the
+    pool's pages, the window and the strides.
     ``pdl``: launched with programmatic dependent launch (Note [Programmatic dependent launch]; a CUDA
     device of compute capability 9 or more, never the interpreter).
     """
     tiling = row_tiling(q_rows, group)
-    block_d = next_pow2(head_dim)
+    export = exports(plan)
     constexprs = dict(GROUP_SIZE=group, Q_ROWS=q_rows, HEAD_DIM=head_dim, PAGE_SIZE=max(page_size, 1),
-                      BLOCK_H=tiling.block_h, BLOCK_N=plan.config.block_n, BLOCK_D=block_d, BLOCK_G=tiling.block_g,
-                      BLOCK_S=combine_block_s(plan.num_splits, tiling.block_g, block_d),
+                      BLOCK_H=tiling.block_h, BLOCK_N=plan.config.block_n, BLOCK_D=next_pow2(head_dim),
                       HAS_SEQ_LENS=has_seq_lens, IS_PAGED=page_size > 0, IS_CAUSAL=causal, HAS_ROW_LIMITS=row_limits,
                       HAS_WINDOW=window, SOFTCAP=softcap, HAS_SINKS=sinks and not export, KV_SCALE=kv_scale,
-                      IS_SPLIT=plan.num_splits > 1 and not export, EXPORT=export, **dot_flags(dtype), PDL=pdl)
+                      EXPORT=export, **dot_flags(dtype), PDL=pdl)
     options = dict(num_warps=plan.config.num_warps, num_stages=plan.config.num_stages)
     if pdl:
         options["launch_pdl"] = True
     return constexprs, options, tiling
 
 
-def combine_launch_config(group: int, q_rows: int, head_dim: int, sinks: bool):
-    """``(constexprs, launch options)`` of ``_combine_kernel``: only the model's shapes decide them (Note
-    [Deterministic splits]). Its arguments: the exported slots (fp32), ``sinks [Hq]`` (any tensor when
-    unused), ``o``, ``lse`` as the split kernel's; the number of slots, ``Hkv`` and the strides."""
+def combine_launch_config(group: int, q_rows: int, head_dim: int, sinks: bool, num_splits: int | None = None,
+                          pdl: bool = False):
+    """``(constexprs, launch options, rows)`` of ``_combine_kernel``, launched on a grid ``(B * Hkv * n_rt,
+    rows)``: one program per query row, ``BLOCK_S`` states per load (at most 8192 fp32 in registers, 64 per
+    thread). ``num_splits`` None: the deterministic splits, whose ``BLOCK_S`` only the model's shapes decide
+    (Note [Deterministic splits]); else ``num_splits`` (rounded up to a power of two) at once where they fit.
+    Its arguments: the exported slots (fp32), ``sinks [Hq]`` (any tensor when unused), ``o``, ``lse`` as the
+    split kernel's; the number of slots, ``Hkv`` and the strides."""
     tiling = row_tiling(q_rows, group)
     block_d = next_pow2(head_dim)
+    block_s = 8192 // block_d if num_splits is None else min(next_pow2(num_splits), 8192 // block_d)
+    options = dict(num_warps=4)
+    if pdl:
+        options["launch_pdl"] = True
     return (dict(GROUP_SIZE=group, Q_ROWS=q_rows, HEAD_DIM=head_dim, BLOCK_H=tiling.block_h, BLOCK_D=block_d,
-                 BLOCK_G=tiling.block_g, BLOCK_S=combine_block_s(16, tiling.block_g, block_d), HAS_SINKS=sinks),
-            dict(num_warps=4))
+                 BLOCK_G=1, BLOCK_S=block_s, HAS_SINKS=sinks, PDL=pdl), options, tiling.rows_t)
 
 
 def export_floats(batch: int, hkv: int, tiling: RowTiling, head_dim: int, num_splits: int) -> int:
-    """fp32 elements of the exported split states (Note [Deterministic splits])."""
+    """fp32 elements of the exported split states (Note [Split-KV decode])."""
     return num_splits * batch * hkv * tiling.n_rt * tiling.rows_t * (head_dim + 1)
 
 
-def _aot_spec(group, q_rows, split, page_size=0, causal=False, row_limits=False, block_n=128, kv="bf16",
-              kv_scale=0, window=False, softcap=False, sinks=False, export=False):
+def _aot_spec(group, q_rows, export, page_size=0, causal=False, row_limits=False, block_n=128, kv="bf16",
+              kv_scale=0, window=False, softcap=False, sinks=False):
     tiling = row_tiling(q_rows, group)
     return {
         "kernel": _split_kv_kernel,
         "signature": {"Q": "*bf16", "K": f"*{kv}", "V": f"*{kv}", "SEQ_LENS": "*i32", "BLOCK_TABLE": "*i32",
                       "ROW_LIMITS": "*i32", "K_SCALE": "*fp32", "V_SCALE": "*fp32", "SINKS": "*fp32", "O": "*bf16",
-                      "LSE": "*fp32", "WORK": "*fp32", "COUNTER": "*i32", "sm_scale": "fp32", "k_scale": "fp32",
+                      "LSE": "*fp32", "WORK": "*fp32", "sm_scale": "fp32", "k_scale": "fp32",
                       "v_scale": "fp32", "cap": "fp32"},
         "constexprs": dict(GROUP_SIZE=group, Q_ROWS=q_rows, HEAD_DIM=128, PAGE_SIZE=max(page_size, 1),
-                           BLOCK_H=tiling.block_h, BLOCK_N=block_n, BLOCK_D=128, BLOCK_G=tiling.block_g,
-                           BLOCK_S=combine_block_s(16, tiling.block_g, 128), HAS_SEQ_LENS=True,
+                           BLOCK_H=tiling.block_h, BLOCK_N=block_n, BLOCK_D=128, HAS_SEQ_LENS=True,
                            IS_PAGED=page_size > 0, IS_CAUSAL=causal, HAS_ROW_LIMITS=row_limits,
-                           HAS_WINDOW=window, SOFTCAP=softcap, HAS_SINKS=sinks, KV_SCALE=kv_scale, IS_SPLIT=split,
+                           HAS_WINDOW=window, SOFTCAP=softcap, HAS_SINKS=sinks and not export, KV_SCALE=kv_scale,
                            EXPORT=export, INPUT_PRECISION="tf32", UPCAST=False, PDL=True),
         "options": {"num_warps": 4, "num_stages": 3, "launch_pdl": True},
     }
 
 
-# Realistic sm_90 compiles of this file's kernel, checked on the CPU by tests/test_aot.py: dense single-row
+# Realistic sm_90 compiles of this file's kernels, checked on the CPU by tests/test_aot.py: dense single-row
 # (GQA 4 split, GQA 5, GQA 8 split), paged (page 16 and page 64), 4 causal rows, 16 rows x GQA 8 with
 # row limits (two row tiles), FP8 caches (e4m3 with scalar scales; e5m2 paged with per-head scales), and the
-# variants: a window with sinks (split and not), a softcap on 4 causal rows; the exporting split kernel and
-# the combine of the deterministic splits.
+# variants: a window with sinks (split and not), a softcap on 4 causal rows, 64-key tiles split; and the
+# combine, with the policy's split count and with the deterministic splits.
 AOT_SPECS = [_aot_spec(4, 1, True), _aot_spec(5, 1, False), _aot_spec(8, 1, True),
              _aot_spec(4, 1, True, page_size=16, block_n=64), _aot_spec(4, 1, False, page_size=64, block_n=64),
              _aot_spec(4, 4, True, causal=True), _aot_spec(8, 16, True, page_size=16, row_limits=True, block_n=64),
              _aot_spec(4, 1, True, kv="fp8e4nv", kv_scale=1),
              _aot_spec(4, 4, False, page_size=64, causal=True, kv="fp8e5", kv_scale=2, block_n=64),
              _aot_spec(4, 1, True, window=True, sinks=True), _aot_spec(4, 1, False, window=True, sinks=True),
-             _aot_spec(4, 4, True, causal=True, softcap=True), _aot_spec(4, 1, False, export=True, block_n=64),
-             {"kernel": _combine_kernel,
-              "signature": {"WORK": "*fp32", "SINKS": "*fp32", "O": "*bf16", "LSE": "*fp32"},
-              "constexprs": combine_launch_config(4, 1, 128, True)[0], "options": {"num_warps": 4}}]
+             _aot_spec(4, 4, True, causal=True, softcap=True), _aot_spec(4, 1, True, block_n=64)] + [
+    {"kernel": _combine_kernel, "signature": {"WORK": "*fp32", "SINKS": "*fp32", "O": "*bf16", "LSE": "*fp32"},
+     "constexprs": cfg[0], "options": cfg[1]}
+    for cfg in (combine_launch_config(4, 1, 128, True, 16, pdl=True), combine_launch_config(8, 1, 128, False, pdl=True))]
