@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Every GPU measurement of benchmarks/NOTES.md in one go on a 2-GPU machine, one-GPU benchmarks on both GPUs
 # at once, the two-GPU ones after; each step under its own time limit, its output kept even if it fails.
-#   usage: benchmarks/run_all.sh OUT_DIR [one|two|all]   (from the checkout; FlashInfer wheels in .fi/ if present)
-# "one": the one-GPU benchmarks (~6 min), "two": context parallel and generation (~9 min), "all" (default).
+#   usage: benchmarks/run_all.sh OUT_DIR [one|two|cp|all]   (from the checkout; FlashInfer wheels in .fi/ if present)
+# "one": the one-GPU benchmarks (~6 min), "two": context parallel and generation (~9 min), "cp": the context-
+# parallel part of "two" alone (~3 min), "all" (default).
 # Writes OUT_DIR/logs/*.txt, the JSON/PNG files of benchmarks/results/, and OUT_DIR/all.tgz holding both.
 set -u
 out=${1:?usage: benchmarks/run_all.sh OUT_DIR [one|two|all]}
@@ -22,7 +23,7 @@ step() {  # step NAME LIMIT_S CMD...: run CMD with a time limit, log to logs/NAM
   local rc=$?
   echo "[$(( $(date +%s) - t0 )) s] $name rc=$rc" | tee -a "$out/logs/steps.txt"
 }
-if [ "$part" != two ]; then
+if [ "$part" = one ] || [ "$part" = all ]; then
 ( export CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$site
   step bench_decode 330 python3 benchmarks/bench_decode.py --time-budget-s 280
   step bench_overhead 60 python3 benchmarks/bench_overhead.py ) &
@@ -36,12 +37,15 @@ wait
 fi
 export PYTHONPATH=$site
 if [ "$part" != one ]; then
+step cp_decode 120 $tr --nproc-per-node=2 launch/cp_decode.py --context 131072 --steps 16 --exchange symm collective
 step bench_cp 150 $tr --nproc-per-node=2 benchmarks/bench_cp.py --batches 1 8 --contexts 32768 131072 1048576 \
   --split-size 4096 --cascade 128:32768:256
 step bench_cp_paged 60 $tr --nproc-per-node=2 benchmarks/bench_cp.py --batches 1 --contexts 131072 1048576 \
   --page-size 16 --exchanges symm --name bench_cp_paged
 step bench_cp_fp8 60 $tr --nproc-per-node=2 benchmarks/bench_cp.py --batches 1 16 --contexts 32768 131072 --fp8 \
   --exchanges symm --name bench_cp_fp8
+fi
+if [ "$part" = two ] || [ "$part" = all ]; then
 python3 -c "import json, random; random.seed(0); json.dump([[1]], open('/tmp/cpa_p1.json', 'w')); \
 json.dump([[random.randrange(128000) for _ in range(131072)]], open('/tmp/cpa_p128k.json', 'w'))"
 gen="launch/generate.py --random-config llama3-8b --prompts"
