@@ -89,7 +89,7 @@ def combine_rows(p_lse, p_o, n, stride_ls, stride_os, SINKS, O, LSE, i_b64, i_h6
                  stride_ob, stride_oq, stride_oh, stride_lb, stride_lq, stride_lh, stride_sink, o_d, m_d,
                  GROUP_SIZE: tl.constexpr, Q_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
                  ROWS_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
-                 BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr, CACHE: tl.constexpr):
+                 BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr):
     """Level 2 for chunk ``c`` (``BLOCK_G`` rows) of the rows of one row tile: ⊕ of ``n`` states per row
     (state ``j`` of row ``r`` at ``p_lse + j * stride_ls + r`` and ``p_o + j * stride_os + r * HEAD_DIM``),
     the sinks once, then the output rows in ``O``/``LSE``."""
@@ -97,7 +97,7 @@ def combine_rows(p_lse, p_o, n, stride_ls, stride_os, SINKS, O, LSE, i_b64, i_h6
     o_rg = i_rt * BLOCK_H + o_g
     m_g = (o_g < ROWS_T) & (o_rg < ROWS)
     b_o, b_lse = merge_tile(p_lse, p_o, n, stride_ls, 1, stride_os, HEAD_DIM, o_g, m_g, o_d, m_d, BLOCK_S, BLOCK_G,
-                            BLOCK_D, CACHE)
+                            BLOCK_D, "")
     o_q, o_h = row_heads(o_rg, i_h64, GROUP_SIZE, Q_ROWS)
     if HAS_SINKS:  # the sink joins once, after every split
         b_o, b_lse = add_sink(b_o, b_lse, tl.load(SINKS + o_h * stride_sink, mask=m_g, other=0.0))
@@ -227,12 +227,12 @@ def _combine_kernel(
     combine_rows(WORK + n_rows * HEAD_DIM + row0, WORK + row0 * HEAD_DIM, N_SLOTS, n_rows * (HEAD_DIM + 1),
                  n_rows * (HEAD_DIM + 1), SINKS, O, LSE, i_b64, i_h64, i_rt, i_c, stride_ob, stride_oq, stride_oh,
                  stride_lb, stride_lq, stride_lh, stride_sink, o_d, m_d, GROUP_SIZE, Q_ROWS, HEAD_DIM, ROWS, ROWS_T,
-                 BLOCK_H, BLOCK_G, BLOCK_S, BLOCK_D, HAS_SINKS, "")
+                 BLOCK_H, BLOCK_G, BLOCK_S, BLOCK_D, HAS_SINKS)
 
 
 class RowTiling(NamedTuple):
     """How the ``Q_ROWS * GROUP_SIZE`` query rows of a KV head are tiled: ``n_rt`` tiles of ``block_h``
-    rows (a full tile holds ``rows_t``), merged ``block_g`` rows at a time by the combine."""
+    rows (a full tile holds ``rows_t``)."""
 
     block_h: int
     n_rt: int
