@@ -85,28 +85,6 @@ def row_heads(o_r, i_h64, GROUP_SIZE: tl.constexpr, Q_ROWS: tl.constexpr):
 
 
 @triton.jit
-def combine_rows(p_lse, p_o, n, stride_ls, stride_os, SINKS, O, LSE, i_b64, i_h64, i_rt, c,
-                 stride_ob, stride_oq, stride_oh, stride_lb, stride_lq, stride_lh, stride_sink, o_d, m_d,
-                 GROUP_SIZE: tl.constexpr, Q_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
-                 ROWS_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
-                 BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr):
-    """Level 2 for chunk ``c`` (``BLOCK_G`` rows) of the rows of one row tile: ⊕ of ``n`` states per row
-    (state ``j`` of row ``r`` at ``p_lse + j * stride_ls + r`` and ``p_o + j * stride_os + r * HEAD_DIM``),
-    the sinks once, then the output rows in ``O``/``LSE``."""
-    o_g = c * BLOCK_G + tl.arange(0, BLOCK_G)
-    o_rg = i_rt * BLOCK_H + o_g
-    m_g = (o_g < ROWS_T) & (o_rg < ROWS)
-    b_o, b_lse = merge_tile(p_lse, p_o, n, stride_ls, 1, stride_os, HEAD_DIM, o_g, m_g, o_d, m_d, BLOCK_S, BLOCK_G,
-                            BLOCK_D, "")
-    o_q, o_h = row_heads(o_rg, i_h64, GROUP_SIZE, Q_ROWS)
-    if HAS_SINKS:  # the sink joins once, after every split
-        b_o, b_lse = add_sink(b_o, b_lse, tl.load(SINKS + o_h * stride_sink, mask=m_g, other=0.0))
-    p_out = O + i_b64 * stride_ob + (o_q * stride_oq + o_h * stride_oh)[:, None] + o_d[None, :]
-    tl.store(p_out, b_o.to(O.dtype.element_ty), mask=m_g[:, None] & m_d[None, :])
-    tl.store(LSE + i_b64 * stride_lb + o_q * stride_lq + o_h * stride_lh, b_lse, mask=m_g)
-
-
-@triton.jit
 def _split_kv_kernel(
     Q, K, V, SEQ_LENS, BLOCK_TABLE, ROW_LIMITS, K_SCALE, V_SCALE, SINKS, O, LSE, WORK,
     sm_scale, k_scale, v_scale, cap, T_MAX, TILES_PER_SPLIT, HKV, NUM_PAGES, WINDOW,
@@ -202,12 +180,13 @@ def _combine_kernel(
     N_SLOTS, HKV,
     stride_ob, stride_oq, stride_oh, stride_lb, stride_lq, stride_lh, stride_sink,
     GROUP_SIZE: tl.constexpr, Q_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
     HAS_SINKS: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Level 2 of the exported split states: program ``(i_p, i_c)`` merges chunk ``i_c`` (``BLOCK_G``
-    rows) of row tile ``i_p`` (a row tile of a (sequence, KV head), as in ``_split_kv_kernel``) over the
-    ``N_SLOTS`` split-major slots of ``WORK``, in slot order (Note [Level 2 in its own kernel])."""
+    """Level 2 of the exported split states: program ``(i_p, i_r)`` merges row ``i_r`` of row tile ``i_p``
+    (a row tile of a (sequence, KV head), as in ``_split_kv_kernel``) over the ``N_SLOTS`` split-major
+    slots of ``WORK``, in slot order, ``BLOCK_S`` slots per load, then adds the sink once (Note [Level 2 in
+    its own kernel])."""
     if PDL:  # the split kernel that wrote WORK is done; the next kernel may start its launch
         gdc_wait()
         gdc_launch_dependents()
@@ -215,7 +194,7 @@ def _combine_kernel(
     N_RT: tl.constexpr = (ROWS + BLOCK_H - 1) // BLOCK_H
     ROWS_T: tl.constexpr = BLOCK_H if ROWS > BLOCK_H else ROWS
     i_p = tl.program_id(0)
-    i_c = tl.program_id(1)
+    i_r = tl.program_id(1)
     i_bh = i_p // N_RT
     i_rt = i_p % N_RT
     i_b64 = (i_bh // HKV).to(tl.int64)
@@ -223,11 +202,19 @@ def _combine_kernel(
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < HEAD_DIM
     n_rows = tl.num_programs(0).to(tl.int64) * ROWS_T
-    row0 = i_p.to(tl.int64) * ROWS_T
-    combine_rows(WORK + n_rows * HEAD_DIM + row0, WORK + row0 * HEAD_DIM, N_SLOTS, n_rows * (HEAD_DIM + 1),
-                 n_rows * (HEAD_DIM + 1), SINKS, O, LSE, i_b64, i_h64, i_rt, i_c, stride_ob, stride_oq, stride_oh,
-                 stride_lb, stride_lq, stride_lh, stride_sink, o_d, m_d, GROUP_SIZE, Q_ROWS, HEAD_DIM, ROWS, ROWS_T,
-                 BLOCK_H, BLOCK_G, BLOCK_S, BLOCK_D, HAS_SINKS)
+    row0 = i_p.to(tl.int64) * ROWS_T  # the tile's first row in every slot
+    o_g = i_r + tl.arange(0, 1)  # this program's row of the tile, as a one-row tile for merge_tile
+    o_rg = i_rt * BLOCK_H + o_g
+    m_g = o_rg < ROWS
+    stride_slot = n_rows * (HEAD_DIM + 1)
+    b_o, b_lse = merge_tile(WORK + n_rows * HEAD_DIM + row0, WORK + row0 * HEAD_DIM, N_SLOTS, stride_slot, 1,
+                            stride_slot, HEAD_DIM, o_g, m_g, o_d, m_d, BLOCK_S, 1, BLOCK_D, "")
+    o_q, o_h = row_heads(o_rg, i_h64, GROUP_SIZE, Q_ROWS)
+    if HAS_SINKS:  # the sink joins once, after every split
+        b_o, b_lse = add_sink(b_o, b_lse, tl.load(SINKS + o_h * stride_sink, mask=m_g, other=0.0))
+    p_out = O + i_b64 * stride_ob + (o_q * stride_oq + o_h * stride_oh)[:, None] + o_d[None, :]
+    tl.store(p_out, b_o.to(O.dtype.element_ty), mask=m_g[:, None] & m_d[None, :])
+    tl.store(LSE + i_b64 * stride_lb + o_q * stride_lq + o_h * stride_lh, b_lse, mask=m_g)
 
 
 class RowTiling(NamedTuple):
@@ -300,7 +287,7 @@ def combine_launch_config(group: int, q_rows: int, head_dim: int, sinks: bool, n
     if pdl:
         options["launch_pdl"] = True
     return (dict(GROUP_SIZE=group, Q_ROWS=q_rows, HEAD_DIM=head_dim, BLOCK_H=tiling.block_h, BLOCK_D=block_d,
-                 BLOCK_G=1, BLOCK_S=block_s, HAS_SINKS=sinks, PDL=pdl), options, tiling.rows_t)
+                 BLOCK_S=block_s, HAS_SINKS=sinks, PDL=pdl), options, tiling.rows_t)
 
 
 def export_floats(batch: int, hkv: int, tiling: RowTiling, head_dim: int, num_splits: int) -> int:
@@ -340,4 +327,5 @@ AOT_SPECS = [_aot_spec(4, 1, True), _aot_spec(5, 1, False), _aot_spec(8, 1, True
              _aot_spec(4, 4, True, causal=True, softcap=True), _aot_spec(4, 1, True, block_n=64)] + [
     {"kernel": _combine_kernel, "signature": {"WORK": "*fp32", "SINKS": "*fp32", "O": "*bf16", "LSE": "*fp32"},
      "constexprs": cfg[0], "options": cfg[1]}
-    for cfg in (combine_launch_config(4, 1, 128, True, 16, pdl=True), combine_launch_config(8, 1, 128, False, pdl=True))]
+    for cfg in (combine_launch_config(4, 1, 128, True, 16, pdl=True),
+                combine_launch_config(8, 1, 128, False, pdl=True))]
