@@ -9,12 +9,12 @@ Context-parallel decode ends with ⊕ over every rank's packed states ``[..., D 
   merge kernel over the gathered ``[W, ..., D + 1]`` in rank order;
 * :class:`SymmMemExchange` (GPUs of one host with NVLink P2P): the local attention writes its states into
   this rank's part of a persistent symmetric buffer, and one kernel pushes them, flagged, into every
-  peer's buffer, waits for the peers' flagged states and merges (Note [Symmetric-memory merge] in ``ops/symm_merge.py``). No
-  collective launch, no host synchronisation; a buffer per (shape, device), allocated at the first call of
-  that shape (a collective: every rank makes the same calls) and reused by every later call and CUDA-graph
-  replay. A call of a new shape inside a CUDA-graph capture cannot allocate: it takes the collective path
-  (warm up with the shapes you capture). NVLink multicast is never used (``TORCH_SYMM_MEM_DISABLE_MULTICAST``
-  defaults to 1 here).
+  peer's buffer, waits for the peers' flagged states and merges (Note [Symmetric-memory merge] in
+  ``ops/symm_merge.py``). No collective launch, no host synchronisation; a buffer per (shape, device),
+  allocated at the first call of that shape (a collective: every rank makes the same calls) and reused by
+  every later call and CUDA-graph replay. A call of a new shape inside a CUDA-graph capture cannot
+  allocate: it takes the collective path (warm up with the shapes you capture). NVLink multicast is never
+  used (``TORCH_SYMM_MEM_DISABLE_MULTICAST`` defaults to 1 here).
 
 Both merge the same states in rank order, so every rank's result is bitwise identical; which exchange a
 group uses is decided once, on the first call, from facts every rank agrees on (:func:`exchange_for`), or

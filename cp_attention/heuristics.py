@@ -22,8 +22,8 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["num_splits", "num_sms", "use_pdl", "DecodeConfig", "DecodePlan", "decode_config", "decode_plan", "deterministic_plan",
-           "PrefixConfig", "PrefixPlan", "prefix_config", "prefix_plan", "REFERENCE_SMS"]
+__all__ = ["num_splits", "num_sms", "use_pdl", "DecodeConfig", "DecodePlan", "decode_config", "decode_plan",
+           "deterministic_plan", "PrefixConfig", "PrefixPlan", "prefix_config", "prefix_plan", "REFERENCE_SMS"]
 
 # CPU tensors (the Triton interpreter) are planned as for the H200 the defaults were tuned on, so the
 # interpreter runs the split layouts the GPU runs.

@@ -98,7 +98,8 @@ def _symm_merge_kernel(
     m_d = o_d < HEAD_DIM
     m_sr = (o_s < WORLD)[:, None] & m_r[None, :]
     m_srd = m_sr[:, :, None] & m_d[None, None, :]
-    p_rows = (p_mine + own_words).to(tl.pointer_type(tl.int64)) + half + o_s[:, None] * slot + (i_m + o_r)[None, :] * ROW
+    p_half = (p_mine + own_words).to(tl.pointer_type(tl.int64)) + half
+    p_rows = p_half + o_s[:, None] * slot + (i_m + o_r)[None, :] * ROW
     p_o = p_rows[:, :, None] + o_d[None, None, :]
     w_o = tl.load(p_o, mask=m_srd, other=0, volatile=True)
     w_l = tl.load(p_rows + HEAD_DIM, mask=m_sr, other=0, volatile=True)
@@ -167,7 +168,8 @@ AOT_SPECS = [
         "kernel": _symm_merge_kernel,
         "signature": {"BUF_PTRS": "*i64", "SINKS": "*fp32", "O_OUT": "*bf16", "LSE_OUT": "*fp32"},
         "constexprs": {"WORLD": world, "HEAD_DIM": 128, "BLOCK_M": block_m, "BLOCK_D": 128,
-                       "BLOCK_F": next_pow2(block_m * 129), "BLOCK_S": next_pow2(world), "HAS_SINKS": sinks, "PDL": True},
+                       "BLOCK_F": next_pow2(block_m * 129), "BLOCK_S": next_pow2(world), "HAS_SINKS": sinks,
+                       "PDL": True},
         "options": {"num_warps": 4, "launch_pdl": True},
     }
     for world, block_m, sinks in ((2, 1, False), (2, 8, False), (8, 2, True))
