@@ -2,8 +2,9 @@
 cp_attention/heuristics.py (decode_config and the split policy of decode_plan).
 
 Hq=32, Hkv=8, D=128 (--heads), bf16 (--dtype: the query's and the dense cache's dtype) on the shapes of
-SHAPES (--shapes). For every tile config of --configs and split count S in SPLITS (at most 8 programs per SM): flash_decode(q, k, v, plan=heuristics.decode_plan(...,
-splits=S, config=DecodeConfig(*cfg))), timed per call in a CUDA graph of 20 calls
+SHAPES (--shapes). For every tile config of --configs and split count S in SPLITS (at most 8 programs per
+SM): flash_decode(q, k, v, plan=heuristics.decode_plan(..., splits=S, config=DecodeConfig(*cfg))), timed
+per call in a CUDA graph of 20 calls
 (benchmarks/_harness.py; the split policy decides GPU work only); per shape the best (config, S) against
 the policy's, in a graph and per call. ``--cache`` sweeps another form of the same cache: ``fp8`` (e4m3,
 ``quantize_kv`` per-tensor scales), ``nhd`` (dense ``[B, T, Hkv, D]``), ``paged1``/``paged16``/``paged64``
