@@ -1,17 +1,18 @@
 """GPU-only checks (skipped without CUDA): CUDA-graph capture and replay with new inputs of flash_decode,
 cascade_decode and CPKVCache (append + decode, over symmetric memory and over NCCL), the symmetric-memory
-merge replayed back to back, long bf16 caches against the float64 oracle, and the merge kernel against the
-float64 merge formula."""
+merge replayed back to back and with the ranks out of step, long bf16 caches against the float64 oracle, and
+the merge kernel against the float64 merge formula."""
 import datetime
 import os
+import random
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from cp_attention import CascadeLevel, cascade_decode, flash_decode, merge_states
-from cp_attention.distributed import CPKVCache, cp_flash_decode, set_exchange, shard_kv
+from cp_attention import AttentionState, CascadeLevel, cascade_decode, flash_decode, merge_states
+from cp_attention.distributed import CPKVCache, cp_flash_decode, merge_across_ranks, set_exchange, shard_kv
 from cp_attention.exchange import exchange_for
 from cp_attention.reference import attention
 
@@ -222,6 +223,36 @@ def test_symm_exchange_replays_bitwise(tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     _spawn(_symm_replay_worker, str(tmp_path / "init"), "symm")
+
+
+def _symm_skew_worker(rank, world, init_file, exchange):
+    dev = _init_nccl(rank, world, init_file, exchange)
+    g = torch.Generator(dev).manual_seed(10 + rank)
+    delays = random.Random(rank)
+    # 16 rows of head dim 32 (one row per program, as in a tiny model's decode), 96 rows of 128, 2048 rows
+    # (8 per program, 8 warps)
+    for b, h, d in ((4, 4, 32), (3, 32, 128), (64, 32, 128)):
+        o = torch.randn(b, h, d, generator=g, device=dev, dtype=torch.bfloat16)
+        lse = torch.randn(b, h, generator=g, device=dev) * 4
+        set_exchange("collective")
+        want = merge_across_ranks(AttentionState(o, lse))
+        set_exchange(exchange)
+        for i in range(300):
+            torch.cuda._sleep(delays.randrange(0, 40000))  # up to ~20 µs on this rank's GPU before the merge
+            got = merge_across_ranks(AttentionState(o, lse))
+            assert torch.equal(got.o, want.o) and torch.equal(got.lse, want.lse), f"{(b, h, d)}, call {i}"
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_symm_exchange_with_ranks_out_of_step(tmp_path):
+    """Ranks that reach the symmetric-memory merge at random times apart (a GPU-side sleep of 0-20 µs
+    before each of 300 calls, per shape) get the all-gather path's bits every time. The former poll loop,
+    which ended on a reduction over the program (Note [Symmetric-memory merge]), gave other bits at the
+    fifth call on the 2×H200 machine."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    _spawn(_symm_skew_worker, str(tmp_path / "init"), "symm")
 
 
 def _deterministic_worker(rank, world, init_file, exchange):

@@ -20,8 +20,14 @@ One kernel, program ``p`` owning rows ``[p * BLOCK_M, (p + 1) * BLOCK_M)``, on e
    ``e % 2`` of every rank's ``recv`` (its own included): relaxed stores at system scope, one 8-byte store
    per value, which a reader sees whole or not at all; nothing is waited for;
 2. load its rows of the ``W`` slots of its own half ``e % 2`` (volatile loads) until every word carries
-   flag ``e``: the data came with its flag, so no fence, release or second round trip is needed;
-3. ⊕ of the ``W`` states in rank order, the sinks once, the result in q's dtype; ``epoch[p] = e``.
+   flag ``e``: the data came with its flag, so no fence, release or second round trip is needed. Each
+   thread spins on the words it holds, on its own (``_await_flag``). A loop whose exit is a reduction over
+   the program must not be used here: Triton assumes that threads holding copies of one element hold the
+   same value and reduces such copies within a warp only, so warps that loaded a word at different times
+   left such a loop in different iterations and the program hung at its next barrier (seen on the H200,
+   intermittently, when one rank came late);
+3. ⊕ of the ``W`` states in rank order, the sinks once, the result in q's dtype; after a barrier (every
+   warp has read ``epoch[p]``), ``epoch[p] = e``.
 
 Why a half is free when it is written: a rank writes half ``e % 2`` of its peers in call ``e`` only after
 finishing call ``e - 1``, which needed every peer's call ``e - 1`` data, which each peer sent at the start
@@ -64,6 +70,18 @@ def _store_sys(p_words, words, mask):
 
 
 @triton.jit
+def _await_flag(words, p_words, e, mask):
+    """``words`` (64-bit words loaded from ``p_words``) where ``mask``, each reloaded (volatile) until its
+    high half is the flag ``e``: a spin per element and per thread, with no barrier and no reduction, so
+    every thread leaves with words it saw flagged itself (Note [Symmetric-memory merge])."""
+    ready = tl.where(mask, words, e.to(tl.int64) << 32)
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 hi; mov.b64 $0, $1; WAIT: mov.b64 {_, hi}, $0; setp.eq.b32 p, hi, $3; "
+        "@p bra DONE; ld.volatile.global.b64 $0, [$2]; bra WAIT; DONE: }",
+        "=l,l,l,r", [ready, p_words, tl.zeros_like(mask.to(tl.int32)) + e], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
 def _symm_merge_kernel(
     BUF_PTRS, SINKS, O_OUT, LSE_OUT,
     rank, M, N_HEADS, stride_oom, stride_lom, stride_sink,
@@ -101,12 +119,8 @@ def _symm_merge_kernel(
     p_half = (p_mine + own_words).to(tl.pointer_type(tl.int64)) + half
     p_rows = p_half + o_s[:, None] * slot + (i_m + o_r)[None, :] * ROW
     p_o = p_rows[:, :, None] + o_d[None, None, :]
-    w_o = tl.load(p_o, mask=m_srd, other=0, volatile=True)
-    w_l = tl.load(p_rows + HEAD_DIM, mask=m_sr, other=0, volatile=True)
-    while (tl.sum(tl.where(m_srd, (w_o >> 32).to(tl.int32) != e, 0).to(tl.int32))
-           + tl.sum(tl.where(m_sr, (w_l >> 32).to(tl.int32) != e, 0).to(tl.int32))) > 0:
-        w_o = tl.load(p_o, mask=m_srd, other=0, volatile=True)
-        w_l = tl.load(p_rows + HEAD_DIM, mask=m_sr, other=0, volatile=True)
+    w_o = _await_flag(tl.load(p_o, mask=m_srd, other=0, volatile=True), p_o, e, m_srd)
+    w_l = _await_flag(tl.load(p_rows + HEAD_DIM, mask=m_sr, other=0, volatile=True), p_rows + HEAD_DIM, e, m_sr)
     # 3. ⊕ over the slots in rank order, the sinks once
     b_o = w_o.to(tl.int32).to(tl.float32, bitcast=True)
     b_lse = tl.where(m_sr, w_l.to(tl.int32).to(tl.float32, bitcast=True), float("-inf"))
@@ -120,6 +134,7 @@ def _symm_merge_kernel(
     tl.store(O_OUT + (i_m + o_r)[:, None] * stride_oom + o_d[None, :], b_o.to(O_OUT.dtype.element_ty),
              mask=m_r[:, None] & m_d[None, :])
     tl.store(LSE_OUT + (i_m + o_r) * stride_lom, b_lse, mask=m_r)
+    tl.debug_barrier()  # every warp of the program has read the epoch before it moves on
     tl.store(p_epoch, e)
 
 
