@@ -9,20 +9,21 @@ CPU (gloo; the Triton kernels run under the interpreter with ``TRITON_INTERPRET=
 
     torchrun --nproc-per-node=2 launch/generate.py --device cpu --model DIR --prompts PROMPTS.json --new-tokens 8
 
-``DIR`` is a Hugging Face checkpoint (``config.json`` + ``*.safetensors``) of a Llama, Mistral or Qwen2 model
-(``launch/llama.py``); ``--random-config llama3-8b`` builds seeded random weights instead. ``PROMPTS.json`` is
-a JSON list of prompts, each a list of token ids (ragged lengths); all prompts decode as one batch, ``N``
-new tokens each, greedily (no stop token). Every rank holds the weights; the KV cache of every layer is a
-:class:`cp_attention.distributed.CPKVCache` (position ``p`` on rank ``p % W``); each decode step appends the
-new token's K/V and runs ``CPKVCache.decode`` (⊕ across the ranks, bitwise identical on every rank, so every
-rank picks the same tokens: checked at the end). Rank 0 writes ``OUT.json``: ``{"tokens": [[new ids of
-prompt 0], ...], "prefill_s": ..., "decode_step_s": [...], "decode_tokens_per_s": ..., ...}``.
+``DIR`` is a Hugging Face checkpoint (``config.json`` + ``*.safetensors``) of a Llama, Mistral, Qwen2 or Gemma
+2 model (``launch/llama.py``); ``--random-config llama3-8b`` builds seeded random weights instead.
+``PROMPTS.json`` is a JSON list of prompts, each a list of token ids (ragged lengths); all prompts decode as
+one batch, ``N`` new tokens each, greedily (no stop token). Every rank holds the weights; the KV cache of
+every layer is a :class:`cp_attention.distributed.CPKVCache` (position ``p`` on rank ``p % W``); each decode
+step appends the new token's K/V and runs ``CPKVCache.decode`` (⊕ across the ranks, bitwise identical on every
+rank, so every rank picks the same tokens: checked at the end). Rank 0 writes ``OUT.json``: ``{"tokens": [[new
+ids of prompt 0], ...], "prefill_s": ..., "decode_step_s": [...], "decode_tokens_per_s": ..., ...}``.
 
 ``--fill-context T`` replaces the prompts' prefill by ``T`` positions of random K/V per sequence (each rank
 generates only its shard), then decodes from each prompt's last token: for timing long contexts only, the
 tokens mean nothing (the JSON says so). Several values (``--fill-context 32768 131072``) run one after the
-other with the same weights; ``OUT.json`` then holds ``{"runs": [one result per context]}``. Bad checkpoints (unsupported architecture, head dim outside the
-kernels' range, missing tensor) fail with a message before any process group is formed.
+other with the same weights; ``OUT.json`` then holds ``{"runs": [one result per context]}``. Bad checkpoints
+(unsupported architecture, head dim outside the kernels' range, missing tensor) fail with a message before any
+process group is formed.
 
 Note [Context-parallel prefill]
 -------------------------------
@@ -44,8 +45,9 @@ sequence, so the merge is the exact causal attention.
   empty), so a FlashAttention kernel that returns its LSE computes every state:
   ``aten._scaled_dot_product_flash_attention`` on CUDA (fp16/bf16; its ``logsumexp`` is FlashAttention-2's
   ``softmax_lse``, natural log, ``[B, H, L]`` float32) and ``aten._scaled_dot_product_flash_attention_for_cpu``
-  on the CPU (natural log as well; checked against ``torch.logsumexp`` in the tests). Sliding windows and
-  float32 on CUDA use a plain-torch masked attention over the keys a query chunk can see.
+  on the CPU (natural log as well; checked against ``torch.logsumexp`` in the tests). Sliding windows,
+  soft-capped scores (Gemma 2) and float32 on CUDA use a plain-torch masked attention over the keys a
+  query chunk can see.
 - Load balance: with interleaved positions every rank holds an equal share of early and late queries, so
   the causal work is balanced without reordering (Striped Attention, Brandon et al. 2023); the placement is
   the decode cache's, so nothing moves between prefill and decode.
@@ -182,9 +184,11 @@ def causal_state(q, k, v, scale: float, strict: bool) -> AttentionState:
     return AttentionState(o, lse)
 
 
-def masked_state(q, k, v, q_first: int, k_first: int, stride: int, scale: float, window_left) -> AttentionState:
+def masked_state(q, k, v, q_first: int, k_first: int, stride: int, scale: float, window_left,
+                 softcap=None) -> AttentionState:
     """State of queries at positions ``q_first + stride * i`` over keys at ``k_first + stride * j``: a query at
-    ``p`` sees the keys at ``[p - window_left, p]`` (``window_left=None``: ``[0, p]``). The plain-torch
+    ``p`` sees the keys at ``[p - window_left, p]`` (``window_left=None``: ``[0, p]``); scores soft-capped
+    by ``softcap`` (``c * tanh(s / c)``) when given. The plain-torch
     attention of :func:`cp_attention.reference.attention` (float32 scores) with per-row key ranges,
     ``QUERY_CHUNK`` queries at a time against only the keys their positions can reach.
 
@@ -207,13 +211,13 @@ def masked_state(q, k, v, q_first: int, k_first: int, stride: int, scale: float,
             -torch.div(k_first + window_left - q_pos, stride, rounding_mode="floor")
         limits = (torch.stack([lo, hi], dim=-1) - j0).expand(b, -1, 2)  # [B, c, 2], relative to key j0
         st = attention(q[:, :, i0:i1].transpose(1, 2), k[:, :, j0:j1], v[:, :, j0:j1], sm_scale=scale,
-                       row_limits=limits)
+                       row_limits=limits, logit_softcap=softcap)
         o[:, :, i0:i1] = st.o.transpose(1, 2)
         lse[:, :, i0:i1] = st.lse.transpose(1, 2)
     return AttentionState(o, lse)
 
 
-def prefill_attention(q, k, v, cache: CPKVCache, scale: float, window_left) -> torch.Tensor:
+def prefill_attention(q, k, v, cache: CPKVCache, scale: float, window_left, softcap=None) -> torch.Tensor:
     """One layer's attention for this rank's prompt positions ``rank + W * i`` (Note [Context-parallel prefill]).
 
     ``q [B, n, Hq, D]``, ``k``/``v [B, n, Hkv, D]`` (RoPE applied). Stores ``k``/``v`` in ``cache``'s local
@@ -226,14 +230,14 @@ def prefill_attention(q, k, v, cache: CPKVCache, scale: float, window_left) -> t
     cache.v[:, :, :n] = v.transpose(1, 2)
     kv = all_gather(torch.stack([k, v]))  # [W, 2, B, n, Hkv, D]
     qh = q.transpose(1, 2)
-    flash = window_left is None and (not q.is_cuda or q.dtype != torch.float32)
+    flash = window_left is None and softcap is None and (not q.is_cuda or q.dtype != torch.float32)
     states = []
     for s in range(world):
         ks, vs = kv[s, 0].transpose(1, 2), kv[s, 1].transpose(1, 2)
         if flash:
             states.append(causal_state(qh, ks, vs, scale, strict=s > rank))
         else:
-            states.append(masked_state(qh, ks, vs, rank, s, world, scale, window_left))
+            states.append(masked_state(qh, ks, vs, rank, s, world, scale, window_left, softcap))
     merged = merge_states(torch.stack([st.o for st in states]), torch.stack([st.lse for st in states]))
     return merged.o.transpose(1, 2)
 
@@ -251,9 +255,9 @@ def prefill(model, caches, prompts, device):
         padded[b, : len(p)] = torch.tensor(p)
     tokens = padded[:, rank::world].to(device)  # [B, n]: this rank's positions rank + W * i
     positions = rank + world * torch.arange(n, device=device)
-    scale = model.args.head_dim ** -0.5
-    h = model(tokens, positions,
-              lambda i, q, k, v: prefill_attention(q, k, v, caches[i], scale, model.args.window_left(i)))
+    a = model.args
+    h = model(tokens, positions, lambda i, q, k, v: prefill_attention(q, k, v, caches[i], a.sm_scale,
+                                                                       a.window_left(i), a.attn_softcap))
     rows = torch.arange(len(prompts), device=device)
     mine = h[rows, (lens - 1) // world]  # [B, dim]: valid where this rank owns the last position
     last = all_gather(mine)[(lens - 1) % world, rows]
@@ -280,11 +284,11 @@ def decode_step(model, caches, tokens, check_metadata: bool = False) -> torch.Te
     """One greedy step: ``tokens [B]`` int64 at the positions ``caches[i].global_seq_lens`` -> the next
     tokens ``[B]`` int64. Appends the step's K/V to every layer's cache. No host sync without
     ``check_metadata`` (capturable in a CUDA graph)."""
-    scale = model.args.head_dim ** -0.5
+    a = model.args
 
     def attend(i, q, k, v):
         caches[i].append(k, v)
-        return caches[i].decode(q, sm_scale=scale, window_left=model.args.window_left(i),
+        return caches[i].decode(q, sm_scale=a.sm_scale, window_left=a.window_left(i), logit_softcap=a.attn_softcap,
                                 check_metadata=check_metadata)
 
     h = model(tokens, caches[0].global_seq_lens.clone(), attend)

@@ -1,10 +1,13 @@
 """A Llama-family decoder in plain torch (gpt-fast style), with the attention left to the caller.
 
 Llama 2/3 (RMSNorm, rotary embeddings with ``rope_type`` default or ``llama3``, grouped-query attention with
-any head dim, SwiGLU MLP, tied or untied embeddings), Mistral (a sliding window on every layer) and Qwen2
-(biases on the q/k/v projections; sliding windows per ``layer_types``). Module and parameter names are the
-Hugging Face ones (``model.layers.0.self_attn.q_proj.weight``), so a checkpoint written by
-``save_pretrained`` loads with ``load_state_dict``.
+any head dim, SwiGLU MLP, tied or untied embeddings), Mistral (a sliding window on every layer), Qwen2
+(biases on the q/k/v projections; sliding windows per ``layer_types``) and Gemma 2 (RMSNorm scaled by ``1 +
+weight`` in float32, norms after attention and around the MLP, embeddings times ``sqrt(hidden_size)``, a
+GELU-tanh MLP, the score scale ``query_pre_attn_scalar ** -0.5``, attention logits soft-capped, sliding
+windows on alternate layers, final logits soft-capped). Module and parameter names are the Hugging Face
+ones (``model.layers.0.self_attn.q_proj.weight``), so a checkpoint written by ``save_pretrained`` loads with
+``load_state_dict``.
 
 The model computes everything but attention: :meth:`Transformer.forward` takes a callable ``attention(layer,
 q, k, v) -> o`` that owns the KV cache (a context-parallel prefill, or ``CPKVCache.append`` + ``decode`` in
@@ -26,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MODEL_TYPES = ("llama", "mistral", "qwen2")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma2")
 
 
 class CheckpointError(ValueError):
@@ -39,6 +42,9 @@ class ModelArgs:
 
     ``windows``: per layer, ``None`` (full causal attention) or the sliding window ``W`` of Hugging Face
     configs, which lets a query see itself and the ``W - 1`` keys before it (``window_left = W - 1``).
+    ``gemma_norms``: Gemma 2's norms (``1 + weight``, after attention and around the MLP) and embeddings
+    scaled by ``sqrt(dim)``. ``attn_scale``: the score scale (``None``: ``head_dim ** -0.5``);
+    ``attn_softcap``, ``final_softcap``: ``c * tanh(x / c)`` of the attention scores and of the logits.
     """
 
     vocab_size: int
@@ -56,6 +62,16 @@ class ModelArgs:
     o_bias: bool = False
     mlp_bias: bool = False
     windows: tuple = ()  # per layer: None or a sliding window; () means none anywhere
+    hidden_act: str = "silu"  # the MLP's gate activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (Gemma 2)
+    gemma_norms: bool = False
+    attn_scale: float | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+
+    @property
+    def sm_scale(self) -> float:
+        """The attention score scale."""
+        return self.head_dim ** -0.5 if self.attn_scale is None else self.attn_scale
 
     def window_left(self, layer: int) -> int | None:
         """``window_left`` of ``flash_decode`` for ``layer`` (``None``: no window)."""
@@ -72,8 +88,14 @@ class ModelArgs:
         archs = [a for a in cfg.get("architectures") or [] if not a.endswith("ForCausalLM")]
         if archs:
             raise CheckpointError(f"unsupported architecture {archs[0]!r} (a *ForCausalLM checkpoint is needed)")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise CheckpointError(f"unsupported hidden_act {cfg['hidden_act']!r} (the SwiGLU MLP needs 'silu')")
+        gemma = model_type == "gemma2"
+        act_key = "hidden_activation" if gemma and "hidden_activation" in cfg else "hidden_act"
+        act = cfg.get(act_key) or ("gelu_pytorch_tanh" if gemma else "silu")
+        if act != ("gelu_pytorch_tanh" if gemma else "silu"):
+            raise CheckpointError(f"unsupported {act_key} {act!r} (the MLP of {model_type} needs "
+                                  f"{'gelu_pytorch_tanh' if gemma else 'silu'!r})")
+        if cfg.get("use_bidirectional_attention"):
+            raise CheckpointError("unsupported use_bidirectional_attention (a causal decoder is needed)")
         try:
             n_heads, dim = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
             n_layers = int(cfg["num_hidden_layers"])
@@ -84,7 +106,12 @@ class ModelArgs:
         except KeyError as exc:
             raise CheckpointError(f"config.json lacks {exc.args[0]!r}") from None
         args["norm_eps"] = float(cfg.get("rms_norm_eps", 1e-6))
-        args["tie_embeddings"] = bool(cfg.get("tie_word_embeddings", False))
+        args["tie_embeddings"] = bool(cfg.get("tie_word_embeddings", gemma))
+        if gemma:
+            args.update(hidden_act=act, gemma_norms=True,
+                        attn_scale=float(cfg.get("query_pre_attn_scalar") or args["head_dim"]) ** -0.5,
+                        attn_softcap=_positive_or_none(cfg, "attn_logit_softcapping"),
+                        final_softcap=_positive_or_none(cfg, "final_logit_softcapping"))
         # transformers >= 5 writes rope_parameters (theta included); older configs rope_theta + rope_scaling.
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         args["rope_theta"] = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
@@ -119,6 +146,16 @@ class ModelArgs:
             raise CheckpointError(f"sliding_window must be >= 1, got {self.windows}")
 
 
+def _positive_or_none(cfg: dict, key: str) -> float | None:
+    """``cfg[key]`` as a positive float, or ``None`` when absent or null."""
+    value = cfg.get(key)
+    if value is None:
+        return None
+    if float(value) <= 0:
+        raise CheckpointError(f"{key} must be positive, got {value}")
+    return float(value)
+
+
 def _windows(cfg: dict, model_type: str, n_layers: int) -> tuple:
     """Per-layer sliding windows (``()`` when no layer has one)."""
     window = cfg.get("sliding_window")
@@ -127,6 +164,8 @@ def _windows(cfg: dict, model_type: str, n_layers: int) -> tuple:
     if model_type == "mistral":
         return (int(window),) * n_layers
     types = cfg.get("layer_types")
+    if types is None and model_type == "gemma2":  # Gemma 2 configs before layer_types: even layers slide
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]
     if types is None:  # Qwen2 configs before layer_types: windows from layer max_window_layers on
         use = cfg.get("use_sliding_window", False)
         types = ["sliding_attention" if use and i >= cfg.get("max_window_layers", 0) else "full_attention"
@@ -180,15 +219,19 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, gemma: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
         self.eps = eps
+        self.gemma = gemma
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[..., dim]`` -> ``[..., dim]``: normalised in float32, scaled in x's dtype (as transformers)."""
+        """``[..., dim]`` -> ``[..., dim]``: normalised in float32, then scaled as transformers does: by the
+        weight in x's dtype (Llama), or by ``1 + weight`` in float32 before the cast (Gemma 2)."""
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:
+            return (h * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * h.to(x.dtype)
 
 
@@ -220,9 +263,12 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(args.dim, args.intermediate_size, bias=args.mlp_bias)
         self.up_proj = nn.Linear(args.dim, args.intermediate_size, bias=args.mlp_bias)
         self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
+        self.gelu = args.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)
+        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(gate * self.up_proj(x))
 
 
 class Block(nn.Module):
@@ -230,8 +276,12 @@ class Block(nn.Module):
         super().__init__()
         self.self_attn = Attention(args)
         self.mlp = MLP(args)
-        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+        g = args.gemma_norms
+        self.input_layernorm = RMSNorm(args.dim, args.norm_eps, g)
+        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps, g)
+        if g:  # Gemma 2: post_attention_layernorm normalises the attention output; two more around the MLP
+            self.pre_feedforward_layernorm = RMSNorm(args.dim, args.norm_eps, g)
+            self.post_feedforward_layernorm = RMSNorm(args.dim, args.norm_eps, g)
 
 
 class Body(nn.Module):
@@ -241,7 +291,7 @@ class Body(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.norm = RMSNorm(args.dim, args.norm_eps, args.gemma_norms)
 
 
 class Transformer(nn.Module):
@@ -263,26 +313,37 @@ class Transformer(nn.Module):
                 ``[B]`` (one per sequence in a decode step).
             attention: ``attention(layer, q, k, v) -> o`` with ``q [*tokens.shape, Hq, D]``, ``k``/``v
                 [*tokens.shape, Hkv, D]`` (RoPE applied) and ``o`` shaped like ``q``: the causal attention of
-                each query over the keys of its sequence up to its position (the caller's KV cache).
+                each query over the keys of its sequence up to its position (the caller's KV cache), with
+                the scores scaled by ``args.sm_scale``, soft-capped by ``args.attn_softcap`` and windowed by
+                ``args.window_left(layer)``.
 
         Returns:
             ``[*tokens.shape, dim]`` in the model's dtype.
         """
         x = self.model.embed_tokens(tokens)
+        gemma = self.args.gemma_norms
+        if gemma:  # as transformers: sqrt(hidden_size) rounded to the model's dtype
+            x = x * torch.tensor(self.args.dim ** 0.5, dtype=x.dtype)
         freqs = positions[..., None].float() * self.inv_freq  # as transformers: float32, then cos/sin
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         for i, layer in enumerate(self.model.layers):
             q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
-            o = attention(i, q, k, v)
-            x = x + layer.self_attn.o_proj(o.flatten(-2))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            a = layer.self_attn.o_proj(attention(i, q, k, v).flatten(-2))
+            if gemma:
+                x = x + layer.post_attention_layernorm(a)
+                x = x + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(x)))
+            else:
+                x = x + a
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.model.norm(x)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """``[..., dim]`` final hidden states -> ``[..., vocab]`` logits in the model's dtype."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, weight)
+        logits = F.linear(h, weight)
+        cap = self.args.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def expected_shapes(args: ModelArgs) -> dict:
@@ -347,7 +408,7 @@ def load_checkpoint(args: ModelArgs, files: dict, device, dtype) -> Transformer:
 
 
 def random_model(args: ModelArgs, device, dtype, seed: int = 0, std: float = 0.02) -> Transformer:
-    """A model with seeded random weights (normal(0, std) matrices, unit norms, zero biases), generated on
+    """A model with seeded random weights (normal(0, std) matrices, identity norms, zero biases), generated on
     ``device``: the same weights on every process that passes the same seed and device type."""
     with torch.device("meta"):
         model = Transformer(args).to(dtype)
@@ -355,7 +416,7 @@ def random_model(args: ModelArgs, device, dtype, seed: int = 0, std: float = 0.0
     gen = torch.Generator(device).manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
-            p.data.fill_(1.0)
+            p.data.fill_(0.0 if args.gemma_norms else 1.0)
         elif name.endswith(".bias"):
             p.data.zero_()
         else:

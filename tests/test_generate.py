@@ -44,9 +44,15 @@ def _config(kind: str, **overrides):
         kw.update(_rope(10000.0, {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                   "original_max_position_embeddings": 16}))
     cls = {"llama-untied": transformers.LlamaConfig, "llama-tied": transformers.LlamaConfig,
-           "mistral-window5": transformers.MistralConfig, "qwen2-bias-tied": transformers.Qwen2Config}[kind]
+           "mistral-window5": transformers.MistralConfig, "qwen2-bias-tied": transformers.Qwen2Config,
+           "gemma2-window5-softcap": transformers.Gemma2Config}[kind]
     if kind == "mistral-window5":
         kw["sliding_window"] = 5
+    if kind == "gemma2-window5-softcap":
+        # layer 0 slides (window 5), layer 1 does not; scores (std ~35 here) and logits soft-capped where
+        # the cap bends them; a score scale other than head_dim ** -0.5
+        kw.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=24, sliding_window=5,
+                  attn_logit_softcapping=30.0, final_logit_softcapping=30.0)
     if kind.startswith("qwen2"):
         del kw["head_dim"]  # Qwen2 derives it: hidden_size // num_attention_heads = 32
     return cls(**{**kw, **overrides})
@@ -56,7 +62,9 @@ def write_checkpoint(path, kind: str, seed: int = 0, **overrides):
     """A tiny random ``kind`` checkpoint saved with ``save_pretrained`` (safetensors) into ``path``; returns
     the model (float32, eval)."""
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(_config(kind, **overrides)).eval()
+    # Gemma 2's soft-capped scores need transformers' eager attention
+    extra = {"attn_implementation": "eager"} if kind.startswith("gemma2") else {}
+    model = transformers.AutoModelForCausalLM.from_config(_config(kind, **overrides), **extra).eval()
     model.save_pretrained(path)
     return model
 
@@ -141,6 +149,8 @@ CASES = [
     pytest.param("mistral-window5", 2, True, id="mistral-window5-W2-interp"),
     pytest.param("mistral-window5", 3, False, id="mistral-window5-W3-torch"),
     pytest.param("qwen2-bias-tied", 2, True, id="qwen2-bias-tied-W2-interp"),
+    pytest.param("gemma2-window5-softcap", 2, True, id="gemma2-window5-softcap-W2-interp"),
+    pytest.param("gemma2-window5-softcap", 3, False, id="gemma2-window5-softcap-W3-torch"),
 ]
 
 
@@ -166,19 +176,24 @@ def test_prefill_across_ranks_equals_one_rank(runs):
     ("missing-tensor", "lacks tensor(s) model.layers.1.mlp.up_proj.weight"),
     ("model-type", "unsupported model_type 'gpt2'"),
     ("head-dim-20", "head_dim 20 is not supported"),
+    ("gemma2-relu", "unsupported hidden_activation 'relu'"),
+    ("gemma2-softcap-0", "attn_logit_softcapping must be positive, got 0"),
 ])
 def test_bad_checkpoint_fails_clearly(tmp_path, defect, message):
     from safetensors.torch import load_file, save_file
 
     ckpt = tmp_path / "ckpt"
-    write_checkpoint(ckpt, "llama-tied", **({"head_dim": 20} if defect == "head-dim-20" else {}))
+    write_checkpoint(ckpt, "gemma2-window5-softcap" if defect.startswith("gemma2") else "llama-tied",
+                     **({"head_dim": 20} if defect == "head-dim-20" else {}))
     if defect == "missing-tensor":
         weights = load_file(ckpt / "model.safetensors")
         del weights["model.layers.1.mlp.up_proj.weight"]
         save_file(weights, ckpt / "model.safetensors", metadata={"format": "pt"})
-    elif defect == "model-type":
+    elif defect != "head-dim-20":
         config = json.loads((ckpt / "config.json").read_text())
-        config["model_type"] = "gpt2"
+        key, value = {"model-type": ("model_type", "gpt2"), "gemma2-relu": ("hidden_activation", "relu"),
+                      "gemma2-softcap-0": ("attn_logit_softcapping", 0)}[defect]
+        config[key] = value
         (ckpt / "config.json").write_text(json.dumps(config))
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps(PROMPTS))
