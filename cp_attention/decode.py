@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
 from typing import NamedTuple
 
 import torch
@@ -206,7 +205,7 @@ def _prepare(q, k, v, seq_lens, block_table, row_limits, sinks, scales, num_spli
     # The kernel reads k/v through (batch or page, KV head, position or slot) strides.
     if kv_layout == "NHD":
         ks, vs = (ks[0], ks[2], ks[1]), (vs[0], vs[2], vs[1])
-    pdl = use_pdl(q.device) and os.environ.get("TRITON_INTERPRET") != "1"
+    pdl = use_pdl(q.device)
     constexprs, options, tiling = split_kv_launch_config(
         q.dtype, hq // geo.hkv, geo.q_rows, d, plan, has_seq_lens=seq_lens is not None, page_size=geo.page_size,
         causal=geo.q_rows > 1 and row_limits is None, row_limits=row_limits is not None, kv_scale=geo.kv_scale,

@@ -73,10 +73,10 @@ def num_splits(work_items: int, slots: int, n_kv_blocks: int, max_splits: int = 
 
 
 def use_pdl(device: torch.device) -> bool:
-    """Whether the split-KV kernel is launched with programmatic dependent launch on ``device`` (Note
-    [Programmatic dependent launch] in ``ops/split_kv.py``): CUDA devices of compute capability 9.0 or
-    more, unless the environment sets ``CP_ATTENTION_PDL=0`` (read once per device)."""
-    if device.type != "cuda":
+    """Whether kernels are launched with programmatic dependent launch on ``device`` (Note [Programmatic
+    dependent launch] in ``ops/split_kv.py``): CUDA devices of compute capability 9.0 or more, unless the
+    environment sets ``CP_ATTENTION_PDL=0`` (read once per device); never under the Triton interpreter."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     use = _PDL.get(device)
     if use is None:

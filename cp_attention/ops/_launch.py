@@ -146,6 +146,12 @@ class Launcher:
             c[self.grid](*args, *self.tail)
 
 
+def pdl_options(pdl: bool, **options) -> dict:
+    """Launch ``options``, plus Triton's ``launch_pdl`` when ``pdl`` (programmatic dependent launch; the key
+    is left out otherwise, as Triton's default)."""
+    return {**options, "launch_pdl": True} if pdl else options
+
+
 _CACHE: dict = {}
 
 

@@ -69,6 +69,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._dot import dot_flags
+from ._launch import pdl_options
 from ._state import (add_sink, attend_tiles, fp16_query, kv_bases, merge_tile, score_scales, seq_length,
                      split_range)
 from .._dispatch import next_pow2
@@ -266,10 +267,7 @@ def split_kv_launch_config(dtype, group: int, q_rows: int, head_dim: int, plan, 
                       HAS_SEQ_LENS=has_seq_lens, IS_PAGED=page_size > 0, IS_CAUSAL=causal, HAS_ROW_LIMITS=row_limits,
                       HAS_WINDOW=window, SOFTCAP=softcap, HAS_SINKS=sinks and not export, KV_SCALE=kv_scale,
                       EXPORT=export, **dot_flags(dtype), PDL=pdl)
-    options = dict(num_warps=plan.config.num_warps, num_stages=plan.config.num_stages)
-    if pdl:
-        options["launch_pdl"] = True
-    return constexprs, options, tiling
+    return constexprs, pdl_options(pdl, num_warps=plan.config.num_warps, num_stages=plan.config.num_stages), tiling
 
 
 def combine_launch_config(group: int, q_rows: int, head_dim: int, sinks: bool, num_splits: int | None = None,
@@ -283,11 +281,8 @@ def combine_launch_config(group: int, q_rows: int, head_dim: int, sinks: bool, n
     tiling = row_tiling(q_rows, group)
     block_d = next_pow2(head_dim)
     block_s = 8192 // block_d if num_splits is None else min(next_pow2(num_splits), 8192 // block_d)
-    options = dict(num_warps=4)
-    if pdl:
-        options["launch_pdl"] = True
     return (dict(GROUP_SIZE=group, Q_ROWS=q_rows, HEAD_DIM=head_dim, BLOCK_H=tiling.block_h, BLOCK_D=block_d,
-                 BLOCK_S=block_s, HAS_SINKS=sinks, PDL=pdl), options, tiling.rows_t)
+                 BLOCK_S=block_s, HAS_SINKS=sinks, PDL=pdl), pdl_options(pdl, num_warps=4), tiling.rows_t)
 
 
 def export_floats(batch: int, hkv: int, tiling: RowTiling, head_dim: int, num_splits: int) -> int:

@@ -48,7 +48,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from .._dispatch import cdiv, next_pow2
-from ._launch import launch
+from ._launch import launch, pdl_options
 from ._state import add_sink, finalize, fold_states
 
 MAX_PROGRAMS = 256
@@ -164,9 +164,7 @@ def symm_merge_into(buf_ptrs, rank, world, m, d, o_out, lse_out, sinks=None, pdl
     programs, block_m = symm_plan(m, d, world)
     has_sinks = sinks is not None
     block_s, block_d = next_pow2(world), next_pow2(d)
-    options = dict(num_warps=4 if block_s * block_m * block_d <= 4096 else 8)
-    if pdl:
-        options["launch_pdl"] = True
+    options = pdl_options(pdl, num_warps=4 if block_s * block_m * block_d <= 4096 else 8)
     launch(
         _symm_merge_kernel, (programs,),
         (buf_ptrs, sinks if has_sinks else lse_out, o_out, lse_out, rank, m,
