@@ -47,6 +47,7 @@ from cp_attention import AttentionState, CascadeLevel, cascade_decode, flash_dec
 from cp_attention.state import normalize, unnormalize  # noqa: E402
 from cp_attention.distributed import (cp_cascade_decode, cp_flash_decode, init_distributed,  # noqa: E402
                                       merge_across_ranks, set_exchange, shard_kv)
+from cp_attention.ops import symm_merge  # noqa: E402
 from benchmarks.peers import cache_form, sdpa_default  # noqa: E402
 
 
@@ -78,6 +79,9 @@ def parse_args(argv=None):
     p.add_argument("--cascade", nargs="*", metavar="B:PREFIX:OWN", default=[],
                    help="also time cp_cascade_decode against one-GPU cascade_decode: B requests sharing a PREFIX "
                         "of tokens with OWN tokens each (e.g. 128:32768:256); both levels sharded contiguously")
+    p.add_argument("--symm-bulk-rows", type=int, default=None,
+                   help="merges of this many rows or more take the symmetric merge's bulk protocol (default: "
+                        "the library's BULK_MIN_ROWS; see cp_attention/ops/symm_merge.py)")
     args = p.parse_args(argv)
     if args.exchanges is None:
         args.exchanges = ["symm", "collective"] if args.device == "cuda" else ["collective"]
@@ -243,7 +247,8 @@ def measure(args, batch, context, timer, device):
 
 def measure_cascade(args, spec, timer, device):
     """cascade_decode of the whole levels on rank 0 against cp_cascade_decode of every rank's contiguous
-    shard of the shared prefix and of each request's own tokens."""
+    shard of the shared prefix and of each request's own tokens; ``local``: cascade_decode of a rank's
+    shards alone (the CP step without the exchange)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     batch, prefix, own = map(int, spec.split(":"))
     dtype, hq, hkv, d = DTYPES[args.dtype], args.heads_q, args.heads_kv, args.head_dim
@@ -261,6 +266,7 @@ def measure_cascade(args, spec, timer, device):
     oks, ovs, o_lens = shard_kv(ok, ov, None, rank, world)
     shards = [CascadeLevel(pks, pvs, p_lens), CascadeLevel(oks, ovs, o_lens)]
     assert torch.isfinite(cp_cascade_decode(q, shards)).all(), "non-finite CP cascade output"
+    timings(row, "local", lambda: cascade_decode(q, shards), timer, False, graph_calls)  # this rank's shards alone
     for exchange in args.exchanges:
         set_exchange(exchange)
         cp_cascade_decode(q, shards)
@@ -312,6 +318,9 @@ def plot(rows, args, world, path):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.symm_bulk_rows is not None:
+        symm_merge.BULK_MIN_ROWS = args.symm_bulk_rows
+    args.symm_bulk_rows = symm_merge.BULK_MIN_ROWS
     device = init_distributed(args.device, args.timeout_s)
     rank, world = dist.get_rank(), dist.get_world_size()
     timer = Timer(device, args.rep_ms)

@@ -50,13 +50,23 @@ def test_split_kv_streams_16_byte_copies_into_tensor_cores(report):
             assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents"), s["id"]
 
 
-def test_symm_merge_pushes_flagged_words_without_fences(report):
-    """Note [Symmetric-memory merge]: one relaxed system-scope 8-byte store per value, volatile polls, and
-    no fence or system-scope atomic on the path."""
+def test_symm_merge_protocols(report):
+    """Note [Symmetric-memory merge]. Flagged words: one relaxed system-scope 8-byte store per value, volatile
+    polls, and no fence or system-scope atomic on the path. Bulk: float32 stores, a system-scope fence
+    before the barrier, a release of the flag by one thread, acquire polls before the first load of the
+    peers' rows, which bypass L1."""
     specs = [s for s in report["specs"] if s["kernel"] == "_symm_merge_kernel"]
-    assert specs
+    assert {s["constexprs"]["BULK"] for s in specs} == {False, True}
     for s in specs:
         ptx = s["ptx"]
-        assert "st.relaxed.sys.global.b64" in ptx and "ld.volatile.global" in ptx, s["id"]
-        assert "fence" not in ptx and "membar" not in ptx and "atom" not in ptx, s["id"]
         assert "griddepcontrol.wait" in ptx, s["id"]
+        assert "atom" not in ptx, s["id"]
+        if not s["constexprs"]["BULK"]:
+            assert "st.relaxed.sys.global.b64" in ptx and "ld.volatile.global" in ptx, s["id"]
+            assert "fence" not in ptx and "membar" not in ptx, s["id"]
+            continue
+        assert "st.relaxed" not in ptx and "ld.volatile.global.b64" not in ptx, s["id"]
+        fence, release = ptx.index("fence.acq_rel.sys"), ptx.index("st.release.sys.global.b32")
+        assert fence < ptx.index("bar.sync", fence) < release, s["id"]
+        assert ptx.count("st.release.sys") == ptx.count("ld.acquire.sys") == s["constexprs"]["WORLD"], s["id"]
+        assert ptx.rindex("ld.acquire.sys") < ptx.index("ld.global.cg"), s["id"]

@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 from cp_attention import AttentionState, CascadeLevel, cascade_decode, flash_decode, merge_states
 from cp_attention.distributed import CPKVCache, cp_flash_decode, merge_across_ranks, set_exchange, shard_kv
 from cp_attention.exchange import exchange_for
+from cp_attention.ops import symm_merge
 from cp_attention.reference import attention
 
 pytestmark = pytest.mark.gpu
@@ -229,27 +230,33 @@ def _symm_skew_worker(rank, world, init_file, exchange):
     dev = _init_nccl(rank, world, init_file, exchange)
     g = torch.Generator(dev).manual_seed(10 + rank)
     delays = random.Random(rank)
-    # 16 rows of head dim 32 (one row per program, as in a tiny model's decode), 96 rows of 128, 2048 rows
-    # (8 per program, 8 warps)
-    for b, h, d in ((4, 4, 32), (3, 32, 128), (64, 32, 128)):
+    # Flagged words: 16 rows of head dim 32 (one row per program, as in a tiny model's decode), 96 rows of 128,
+    # and 1536 rows (6 per program, 8 warps) with the bulk protocol's threshold raised; bulk: 2048 rows (8 per
+    # program) and 4096 rows (16 per program, the cascade of 128 requests).
+    for b, h, d, bulk_min in ((4, 4, 32, None), (3, 32, 128, None), (48, 32, 128, 1 << 30), (64, 32, 128, None),
+                              (128, 32, 128, None)):
         o = torch.randn(b, h, d, generator=g, device=dev, dtype=torch.bfloat16)
         lse = torch.randn(b, h, generator=g, device=dev) * 4
         set_exchange("collective")
         want = merge_across_ranks(AttentionState(o, lse))
         set_exchange(exchange)
-        for i in range(300):
-            torch.cuda._sleep(delays.randrange(0, 40000))  # up to ~20 µs on this rank's GPU before the merge
-            got = merge_across_ranks(AttentionState(o, lse))
-            assert torch.equal(got.o, want.o) and torch.equal(got.lse, want.lse), f"{(b, h, d)}, call {i}"
+        default, symm_merge.BULK_MIN_ROWS = symm_merge.BULK_MIN_ROWS, bulk_min or symm_merge.BULK_MIN_ROWS
+        try:
+            for i in range(300):
+                torch.cuda._sleep(delays.randrange(0, 40000))  # up to ~20 µs on this rank's GPU before the merge
+                got = merge_across_ranks(AttentionState(o, lse))
+                assert torch.equal(got.o, want.o) and torch.equal(got.lse, want.lse), f"{(b, h, d)}, call {i}"
+        finally:
+            symm_merge.BULK_MIN_ROWS = default
     dist.destroy_process_group()
 
 
 @pytest.mark.timeout(120)
 def test_symm_exchange_with_ranks_out_of_step(tmp_path):
     """Ranks that reach the symmetric-memory merge at random times apart (a GPU-side sleep of 0-20 µs
-    before each of 300 calls, per shape) get the all-gather path's bits every time. The former poll loop,
-    which ended on a reduction over the program (Note [Symmetric-memory merge]), gave other bits at the
-    fifth call on the 2×H200 machine."""
+    before each of 300 calls, per shape; both protocols) get the all-gather path's bits every time. The
+    former poll loop, which ended on a reduction over the program (Note [Symmetric-memory merge]), gave
+    other bits at the fifth call on the 2×H200 machine."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     _spawn(_symm_skew_worker, str(tmp_path / "init"), "symm")

@@ -1,4 +1,4 @@
-"""Triton kernel for ⊕ across the GPUs of one host over symmetric memory: flagged pushes, then the merge.
+"""Triton kernel for ⊕ across the GPUs of one host over symmetric memory: pushes with flags, then the merge.
 
 Note [Symmetric-memory merge]
 -----------------------------
@@ -11,7 +11,9 @@ laid out as:
 * ``recv [2, W, M, D + 1]`` 64-bit words: in half ``e % 2``, slot ``r`` receives rank ``r``'s states of
   call ``e``, each 32-bit value in the low half of a word whose high half is ``e`` (the flag travels with
   the data, as in NCCL's LL protocol);
-* ``epoch [P]`` int32: how many calls program ``p`` of this rank has made (only that program reads it).
+* ``epoch [P]`` int32: how many calls program ``p`` of this rank has made (only that program reads it);
+* ``flags [W, P]`` int32: ``flags[r, p]``, the last call whose rows program ``p`` of rank ``r`` has put
+  into this rank's ``recv`` with the bulk protocol.
 
 One kernel, program ``p`` owning rows ``[p * BLOCK_M, (p + 1) * BLOCK_M)``, on every rank ``me``, call
 ``e = epoch[p] + 1``:
@@ -29,15 +31,29 @@ One kernel, program ``p`` owning rows ``[p * BLOCK_M, (p + 1) * BLOCK_M)``, on e
 3. ⊕ of the ``W`` states in rank order, the sinks once, the result in q's dtype; after a barrier (every
    warp has read ``epoch[p]``), ``epoch[p] = e``.
 
+That is the protocol for latency: no fence and no second trip, at twice the bytes. Merges of
+:data:`BULK_MIN_ROWS` rows or more (a cascade of 128 requests: 4096 rows, 2.1 MB of states per rank) are
+bound by the bytes instead, and take the bulk protocol, the same buffer with each slot's first half read as
+``[M, D + 1]`` float32:
+
+1. store its rows as plain float32 into slot ``me`` of half ``e % 2`` of every rank's ``recv``; a
+   system-scope fence in every thread, a barrier, then thread 0 stores ``flags[me, p] = e`` on every rank
+   with a release at system scope;
+2. every thread waits, on its own (acquire loads at system scope, as above no reduction), until
+   ``flags[r, p] - e >= 0`` for every rank ``r``, then loads the ``W`` slots past L1 (``.cg``);
+3. as above.
+
 Why a half is free when it is written: a rank writes half ``e % 2`` of its peers in call ``e`` only after
 finishing call ``e - 1``, which needed every peer's call ``e - 1`` data, which each peer sent at the start
 of its call ``e - 1``, after finishing call ``e - 2`` (the last reader of half ``e % 2``). So no rank runs
-more than one call ahead of another, a half is never overwritten while it is read, and a word holds either
-flag ``e - 2`` (stale) or ``e``. Nothing is reset, so the same kernel replays in a CUDA graph forever; the
-buffers start zeroed (flags 0, epochs 0). There is no host synchronisation and no collective launch: one
-kernel and one NVLink store per value. Every rank merges the same ``W`` states in the same order with the
-same code, so the results are bitwise identical on every rank. Programs only wait for their counterparts
-on the peers (at most 256 programs of 128 threads: all resident at once).
+more than one call ahead of another, a half is never overwritten while it is read, a word holds either
+flag ``e - 2`` (stale) or ``e``, and ``flags[r, p]`` is ``e - 1``, ``e`` or ``e + 1`` while a program waits
+for call ``e``. Every rank picks the same protocol (from ``M``; a buffer must keep one). Nothing is reset,
+so the same kernel replays in a CUDA graph forever; the buffers start zeroed (flags 0, epochs 0). There is
+no host synchronisation and no collective launch: one kernel and one NVLink store per value (and one flag
+per program and peer in the bulk protocol). Every rank merges the same ``W`` states in the same order with
+the same code, so the results are bitwise identical on every rank. Programs only wait for their
+counterparts on the peers (at most 256 programs of 128 or 256 threads: all resident at once).
 
 The kernel is launched with programmatic dependent launch where the split-KV kernel is (Note [Programmatic
 dependent launch] in ``ops/split_kv.py``): its programs wait (``griddepcontrol.wait``) before reading
@@ -49,9 +65,10 @@ from triton.language.extra.cuda import gdc_wait
 
 from .._dispatch import cdiv, next_pow2
 from ._launch import launch, pdl_options
-from ._state import add_sink, finalize, fold_states
+from ._state import add_sink, finalize, fold_states, merge_tile
 
 MAX_PROGRAMS = 256
+BULK_MIN_ROWS = 1024  # merges of this many rows or more take the bulk protocol (Note [Symmetric-memory merge])
 
 
 @triton.jit
@@ -82,15 +99,43 @@ def _await_flag(words, p_words, e, mask):
 
 
 @triton.jit
+def _release_flag(p_flag, e):
+    """``*p_flag = e`` by thread 0 of the program, a release at system scope (after a barrier and a fence of
+    every thread: the program's stores before it are visible to whoever acquires the flag)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+        "@p st.release.sys.global.b32 [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [p_flag, e], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _acquire_flag(p_flag, e):
+    """Spin until ``*p_flag - e >= 0`` (int32, wrap-safe), every thread on its own: acquire loads at system
+    scope, no barrier and no reduction (Note [Symmetric-memory merge])."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 d; WAIT: ld.acquire.sys.global.b32 $0, [$1]; sub.s32 d, $0, $2; "
+        "setp.lt.s32 p, d, 0; @p bra WAIT; }",
+        "=r,l,r", [p_flag, e], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _fence_sys():
+    """``fence.acq_rel.sys`` in every thread: its earlier stores are ordered before its later ones at system
+    scope."""
+    tl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _symm_merge_kernel(
     BUF_PTRS, SINKS, O_OUT, LSE_OUT,
     rank, M, N_HEADS, stride_oom, stride_lom, stride_sink,
     WORLD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_F: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_F: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr, BULK: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # the local attention that wrote `own` is done
         gdc_wait()
     i_p = tl.program_id(0)
+    n_p = tl.num_programs(0)
     ROW: tl.constexpr = HEAD_DIM + 1
     i_m = i_p.to(tl.int64) * BLOCK_M
     n_rows = tl.minimum(M - i_m, BLOCK_M)
@@ -100,36 +145,56 @@ def _symm_merge_kernel(
     p_epoch = (p_mine + own_words + 4 * WORLD * slot).to(tl.pointer_type(tl.int32)) + i_p
     e = tl.load(p_epoch, volatile=True) + 1
     half = (e & 1).to(tl.int64) * WORLD * slot
-    # 1. this rank's rows, flagged with e, into slot `rank` of every rank's current half
     o_f = tl.arange(0, BLOCK_F)
     m_f = o_f < n_rows * ROW
-    bits = tl.load(p_mine + i_m * ROW + o_f, mask=m_f).to(tl.int32, bitcast=True)
-    words = (e.to(tl.int64) << 32) | (bits.to(tl.int64) & 0xFFFFFFFF)
-    for r in tl.static_range(WORLD):
-        p_recv = (_peer(BUF_PTRS, r) + own_words).to(tl.pointer_type(tl.int64))
-        _store_sys(p_recv + half + rank * slot + i_m * ROW + o_f, words, m_f)
-    # 2. the W slots of this rank's half, until every word carries flag e
     o_s = tl.arange(0, BLOCK_S)
     o_r = tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, BLOCK_D)
     m_r = o_r < n_rows
     m_d = o_d < HEAD_DIM
-    m_sr = (o_s < WORLD)[:, None] & m_r[None, :]
-    m_srd = m_sr[:, :, None] & m_d[None, None, :]
     p_half = (p_mine + own_words).to(tl.pointer_type(tl.int64)) + half
-    p_rows = p_half + o_s[:, None] * slot + (i_m + o_r)[None, :] * ROW
-    p_o = p_rows[:, :, None] + o_d[None, None, :]
-    w_o = _await_flag(tl.load(p_o, mask=m_srd, other=0, volatile=True), p_o, e, m_srd)
-    w_l = _await_flag(tl.load(p_rows + HEAD_DIM, mask=m_sr, other=0, volatile=True), p_rows + HEAD_DIM, e, m_sr)
-    # 3. ⊕ over the slots in rank order, the sinks once
-    b_o = w_o.to(tl.int32).to(tl.float32, bitcast=True)
-    b_lse = tl.where(m_sr, w_l.to(tl.int32).to(tl.float32, bitcast=True), float("-inf"))
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    m_i, l_i, acc = fold_states(m_i, l_i, acc, b_lse, b_o)
-    b_o, b_lse = finalize(m_i, l_i, acc, 1.0)
-    if HAS_SINKS:  # row m is query head m % N_HEADS
+    if BULK:
+        # 1. this rank's rows as float32 into slot `rank` of every rank's current half, then flag e
+        b_x = tl.load(p_mine + i_m * ROW + o_f, mask=m_f)
+        for r in tl.static_range(WORLD):
+            p_recv = (_peer(BUF_PTRS, r) + own_words).to(tl.pointer_type(tl.int64)) + half + rank * slot
+            tl.store(p_recv.to(tl.pointer_type(tl.float32)) + i_m * ROW + o_f, b_x, mask=m_f)
+        _fence_sys()
+        tl.debug_barrier()
+        for r in tl.static_range(WORLD):
+            p_flags = (_peer(BUF_PTRS, r) + own_words + 4 * WORLD * slot).to(tl.pointer_type(tl.int32)) + n_p
+            _release_flag(p_flags + rank * n_p + i_p, e)
+        # 2. every rank's flag e (or later) for this program, then its rows (past L1: they came over NVLink)
+        p_flags = p_epoch + n_p - i_p
+        for r in tl.static_range(WORLD):
+            _acquire_flag(p_flags + r * n_p + i_p, e)
+        p_rows = p_half.to(tl.pointer_type(tl.float32)) + i_m * ROW
+        # 3. ⊕ over the slots in rank order (a slot is 2 * slot words of float32 apart)
+        b_o, b_lse = merge_tile(p_rows + HEAD_DIM, p_rows, WORLD, 2 * slot, ROW, 2 * slot, ROW, o_r, m_r, o_d, m_d,
+                                BLOCK_S, BLOCK_M, BLOCK_D, ".cg")
+    else:
+        # 1. this rank's rows, flagged with e, into slot `rank` of every rank's current half
+        bits = tl.load(p_mine + i_m * ROW + o_f, mask=m_f).to(tl.int32, bitcast=True)
+        words = (e.to(tl.int64) << 32) | (bits.to(tl.int64) & 0xFFFFFFFF)
+        for r in tl.static_range(WORLD):
+            p_recv = (_peer(BUF_PTRS, r) + own_words).to(tl.pointer_type(tl.int64))
+            _store_sys(p_recv + half + rank * slot + i_m * ROW + o_f, words, m_f)
+        # 2. the W slots of this rank's half, until every word carries flag e
+        m_sr = (o_s < WORLD)[:, None] & m_r[None, :]
+        m_srd = m_sr[:, :, None] & m_d[None, None, :]
+        p_rows = p_half + o_s[:, None] * slot + (i_m + o_r)[None, :] * ROW
+        p_o = p_rows[:, :, None] + o_d[None, None, :]
+        w_o = _await_flag(tl.load(p_o, mask=m_srd, other=0, volatile=True), p_o, e, m_srd)
+        w_l = _await_flag(tl.load(p_rows + HEAD_DIM, mask=m_sr, other=0, volatile=True), p_rows + HEAD_DIM, e, m_sr)
+        # 3. ⊕ over the slots in rank order
+        b_o = w_o.to(tl.int32).to(tl.float32, bitcast=True)
+        b_lse = tl.where(m_sr, w_l.to(tl.int32).to(tl.float32, bitcast=True), float("-inf"))
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        m_i, l_i, acc = fold_states(m_i, l_i, acc, b_lse, b_o)
+        b_o, b_lse = finalize(m_i, l_i, acc, 1.0)
+    if HAS_SINKS:  # the sinks once; row m is query head m % N_HEADS
         b_o, b_lse = add_sink(b_o, b_lse, tl.load(SINKS + ((i_m + o_r) % N_HEADS) * stride_sink, mask=m_r, other=0.0))
     tl.store(O_OUT + (i_m + o_r)[:, None] * stride_oom + o_d[None, :], b_o.to(O_OUT.dtype.element_ty),
              mask=m_r[:, None] & m_d[None, :])
@@ -146,9 +211,9 @@ def symm_plan(m: int, d: int, world: int):
 
 
 def buffer_words(m: int, d: int, world: int) -> int:
-    """32-bit words of one rank's buffer: ``own``, ``recv`` and ``epoch`` (see the Note)."""
+    """32-bit words of one rank's buffer: ``own``, ``recv``, ``epoch`` and ``flags`` (see the Note)."""
     own = -(-m * (d + 1) // 2) * 2
-    return own + 4 * world * m * (d + 1) + symm_plan(m, d, world)[0]
+    return own + 4 * world * m * (d + 1) + (world + 1) * symm_plan(m, d, world)[0]
 
 
 def symm_merge_into(buf_ptrs, rank, world, m, d, o_out, lse_out, sinks=None, pdl=False) -> None:
@@ -158,8 +223,9 @@ def symm_merge_into(buf_ptrs, rank, world, m, d, o_out, lse_out, sinks=None, pdl
     before the first call); this rank's packed states ``[M, D + 1]`` float32 are at the start of its own
     buffer. Writes ``o_out [M, D]`` (any float dtype, unit stride in D) and ``lse_out [M]`` float32 natural
     log; ``sinks [H]`` float32 join once (row ``m`` is head ``m % H``). Every rank of the group must launch
-    it with the same ``m``, ``d`` and ``world``; callers validate. ``pdl``: launched with programmatic
-    dependent launch (compute capability 9.0 or more).
+    it with the same ``m``, ``d`` and ``world``; callers validate. ``M >=`` :data:`BULK_MIN_ROWS` takes the
+    bulk protocol, fewer rows the flagged words. ``pdl``: launched with programmatic dependent launch
+    (compute capability 9.0 or more).
     """
     programs, block_m = symm_plan(m, d, world)
     has_sinks = sinks is not None
@@ -170,7 +236,7 @@ def symm_merge_into(buf_ptrs, rank, world, m, d, o_out, lse_out, sinks=None, pdl
         (buf_ptrs, sinks if has_sinks else lse_out, o_out, lse_out, rank, m,
          sinks.shape[0] if has_sinks else 1, o_out.stride(0), lse_out.stride(0), sinks.stride(0) if has_sinks else 0),
         dict(WORLD=world, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_F=next_pow2(block_m * (d + 1)),
-             BLOCK_S=block_s, HAS_SINKS=has_sinks, PDL=pdl),
+             BLOCK_S=block_s, HAS_SINKS=has_sinks, BULK=m >= BULK_MIN_ROWS, PDL=pdl),
         **options,
     )
 
@@ -182,8 +248,9 @@ AOT_SPECS = [
         "signature": {"BUF_PTRS": "*i64", "SINKS": "*fp32", "O_OUT": "*bf16", "LSE_OUT": "*fp32"},
         "constexprs": {"WORLD": world, "HEAD_DIM": 128, "BLOCK_M": block_m, "BLOCK_D": 128,
                        "BLOCK_F": next_pow2(block_m * 129), "BLOCK_S": next_pow2(world), "HAS_SINKS": sinks,
-                       "PDL": True},
+                       "BULK": bulk, "PDL": True},
         "options": {"num_warps": 4, "launch_pdl": True},
     }
-    for world, block_m, sinks in ((2, 1, False), (2, 8, False), (8, 2, True))
+    for world, block_m, sinks, bulk in ((2, 1, False, False), (2, 8, False, False), (8, 2, True, False),
+                                        (2, 16, False, True), (8, 16, True, True))
 ]
