@@ -82,6 +82,8 @@ def parse_args(argv=None):
     p.add_argument("--symm-bulk-rows", type=int, default=None,
                    help="merges of this many rows or more take the symmetric merge's bulk protocol (default: "
                         "the library's BULK_MIN_ROWS; see cp_attention/ops/symm_merge.py)")
+    p.add_argument("--symm-max-programs", type=int, default=None,
+                   help="programs of the symmetric merge at most (default: the library's MAX_PROGRAMS)")
     args = p.parse_args(argv)
     if args.exchanges is None:
         args.exchanges = ["symm", "collective"] if args.device == "cuda" else ["collective"]
@@ -248,7 +250,7 @@ def measure(args, batch, context, timer, device):
 def measure_cascade(args, spec, timer, device):
     """cascade_decode of the whole levels on rank 0 against cp_cascade_decode of every rank's contiguous
     shard of the shared prefix and of each request's own tokens; ``local``: cascade_decode of a rank's
-    shards alone (the CP step without the exchange)."""
+    shards alone (the CP step without the exchange); ``merge``: merge_across_ranks of its state alone."""
     rank, world = dist.get_rank(), dist.get_world_size()
     batch, prefix, own = map(int, spec.split(":"))
     dtype, hq, hkv, d = DTYPES[args.dtype], args.heads_q, args.heads_kv, args.head_dim
@@ -272,6 +274,8 @@ def measure_cascade(args, spec, timer, device):
         cp_cascade_decode(q, shards)
         timings(row, f"cp_{exchange}", lambda: cp_cascade_decode(q, shards, check_metadata=False), timer, True,
                 graph_calls)
+        state = AttentionState(*(x.contiguous() for x in cascade_decode(q, shards, return_lse=True)))
+        timings(row, f"merge_{exchange}", lambda: merge_across_ranks(state), timer, True, graph_calls)
         for mode in ("call", "graph"):
             if f"single_{mode}_us" in row and f"cp_{exchange}_{mode}_us" in row:
                 row[f"speedup_{exchange}_{mode}"] = row[f"single_{mode}_us"] / row[f"cp_{exchange}_{mode}_us"]
@@ -321,6 +325,9 @@ def main(argv=None):
     if args.symm_bulk_rows is not None:
         symm_merge.BULK_MIN_ROWS = args.symm_bulk_rows
     args.symm_bulk_rows = symm_merge.BULK_MIN_ROWS
+    if args.symm_max_programs is not None:
+        symm_merge.MAX_PROGRAMS = args.symm_max_programs
+    args.symm_max_programs = symm_merge.MAX_PROGRAMS
     device = init_distributed(args.device, args.timeout_s)
     rank, world = dist.get_rank(), dist.get_world_size()
     timer = Timer(device, args.rep_ms)
@@ -350,9 +357,10 @@ def main(argv=None):
             print(f"wrote {path} and {png}")
             print(table(rows, cols))
             if cascade_rows:
-                print(table(cascade_rows, ["batch", "context", "single_graph_us", "single_call_us"]
+                print(table(cascade_rows, ["batch", "context", "single_graph_us", "single_call_us", "local_graph_us"]
                             + [f"{c}_{x}_{m}" for x in args.exchanges for c, m in
-                               (("cp", "graph_us"), ("cp", "call_us"), ("speedup", "graph"), ("speedup", "call"))]))
+                               (("merge", "graph_us"), ("cp", "graph_us"), ("cp", "call_us"), ("speedup", "graph"),
+                                ("speedup", "call"))]))
     finally:
         dist.destroy_process_group()
 

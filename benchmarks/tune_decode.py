@@ -41,11 +41,15 @@ CACHES = ("bf16", "fp8", "nhd", "paged1", "paged16", "paged64")
 
 def cache_form(k, v, cache: str):
     """``(k, v, kwargs)``: the dense HND cache in the form ``cache`` (see the module docstring)."""
-    page = int(cache[5:]) if cache.startswith("paged") else None
-    return peers.cache_form(k, v, fp8=cache == "fp8", page_size=page, nhd=cache == "nhd")
+    return peers.cache_form(k, v, fp8=cache == "fp8", page_size=page_size(cache) or None, nhd=cache == "nhd")
 
 
-def candidates(q, k, v, configs, kv_dtype, kwargs):
+def page_size(cache: str) -> int:
+    """The page size of the cache form ``cache`` (0: dense)."""
+    return int(cache[5:]) if cache.startswith("paged") else 0
+
+
+def candidates(q, k, v, configs, kv_dtype, kwargs, page: int = 0):
     """``(config label, split count, callable)`` for every (tile config, split count) to time on this shape
     (``k``, ``v`` ``[B, Hkv, T, D]`` give the plan's shape; ``kwargs`` hold the cache form's arguments)."""
     b, hkv, t, d = k.shape
@@ -55,7 +59,7 @@ def candidates(q, k, v, configs, kv_dtype, kwargs):
     for cfg in configs:
         for s in splits:
             plan = heuristics.decode_plan(b, hkv, t, d, q.dtype, sms, splits=s, config=heuristics.DecodeConfig(*cfg),
-                                          kv_dtype=kv_dtype, paged="block_table" in kwargs)
+                                          kv_dtype=kv_dtype, page_size=page)
             out.append(("x".join(map(str, cfg)), s, lambda plan=plan: flash_decode(q, plan=plan, **kwargs)))
     return out
 
@@ -85,7 +89,7 @@ def main():
         nbytes = 2 * kf.numel() * kf.element_size()
         kwargs.update(k=kf, v=vf)
         best = None
-        for cfg, s, fn in candidates(q, k, v, configs, kf.dtype, kwargs):
+        for cfg, s, fn in candidates(q, k, v, configs, kf.dtype, kwargs, page_size(args.cache)):
             us = bench_graph(fn, rep=args.rep_ms)
             r = {"B": b, "T": t, "cfg": cfg, "S": s, "graph_us": us, "TBs": tbs(nbytes, us)}
             rows.append(r)
@@ -93,7 +97,7 @@ def main():
                 best = r
         policy = lambda: flash_decode(q, **kwargs)  # noqa: E731
         plan = heuristics.decode_plan(b, hkv, t, d, q.dtype, heuristics.num_sms(q.device), kv_dtype=kf.dtype,
-                                      paged="block_table" in kwargs)
+                                      page_size=page_size(args.cache))
         bests.append(dict(best, policy_cfg="x".join(map(str, plan.config)), policy_S=plan.num_splits,
                           policy_graph_us=bench_graph(policy, rep=args.rep_ms),
                           policy_call_us=bench_call(policy, rep=args.rep_ms)))

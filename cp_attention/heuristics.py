@@ -122,18 +122,21 @@ class DecodePlan(NamedTuple):
     deterministic: bool = False
 
 
-def decode_config(head_dim: int, dtype: torch.dtype, t_max: int | None = None, paged: bool = False) -> DecodeConfig:
+def decode_config(head_dim: int, dtype: torch.dtype, t_max: int | None = None, page_size: int = 0,
+                  kv_dtype: torch.dtype | None = None) -> DecodeConfig:
     """The split-KV kernel's tile config, tuned on the H200 (benchmarks/NOTES.md): 128-key tiles with three
-    stages in flight; 64-key tiles (more programs) for caches of at most 512 positions.
+    stages in flight; 64-key tiles (more programs) for caches of at most 512 positions; 256-key tiles for a
+    16-bit cache of head dim 64 from 32k positions on (the bytes of a 128 x 128 tile: at B=1 T=128k 66.3
+    µs against 68.7 at the best split count of 128-key tiles, at B=16 T=32k 246 against 257).
 
-    ``paged`` (a block table): Triton's pipeliner gives the block-table load of a tile a stage of its own
-    and keeps a single K/V tile in flight (74 KB of shared memory for the 128-key config against 139 KB
-    dense; more stages do not add any), so a paged decode needs more programs per SM instead: 64-key tiles,
-    of which three programs share an SM (inferred from the split sweeps of benchmarks/NOTES.md, where the
-    split count that fills 3 programs per SM in one wave was the fastest).
+    ``page_size`` > 0 (a paged cache): 64-key tiles, of which four programs share an SM (126 registers
+    per thread, 39 KB of shared memory: Triton's pipeliner gives the block-table load of a tile a stage of
+    its own and keeps one K/V tile in flight, so the paged kernel trades the second buffer for more programs),
+    three with pages of one position (159 registers). Measured at B=1 T=128k, pages of 16: 131.8 µs at 64
+    splits (512 programs, one wave of four per SM) against 148.2 at 48 (benchmarks/NOTES.md).
 
-    >>> decode_config(128, torch.bfloat16, 131072, paged=True)
-    DecodeConfig(block_n=64, num_warps=4, num_stages=3, programs=3)
+    >>> decode_config(128, torch.bfloat16, 131072, page_size=16)
+    DecodeConfig(block_n=64, num_warps=4, num_stages=3, programs=4)
     """
     if dtype == torch.float32:
         return DecodeConfig(64, 4, 2) if head_dim <= 128 else DecodeConfig(32, 4, 2)
@@ -141,7 +144,11 @@ def decode_config(head_dim: int, dtype: torch.dtype, t_max: int | None = None, p
         return DecodeConfig(64, 4, 2)
     if t_max is not None and t_max <= 512:
         return DecodeConfig(64, 4, 2)
-    return DecodeConfig(64, 4, 3, programs=3) if paged else DecodeConfig(128, 4, 3)
+    if page_size:
+        return DecodeConfig(64, 4, 3, programs=4 if page_size > 1 else 3)
+    if head_dim <= 64 and t_max is not None and t_max >= 32768 and (kv_dtype or dtype).itemsize == 2:
+        return DecodeConfig(256, 4, 3)
+    return DecodeConfig(128, 4, 3)
 
 
 def deterministic_plan(t_max: int, head_dim: int, dtype: torch.dtype, split_size: int) -> DecodePlan:
@@ -163,7 +170,7 @@ def deterministic_plan(t_max: int, head_dim: int, dtype: torch.dtype, split_size
 @functools.lru_cache(maxsize=4096)
 def decode_plan(batch: int, num_kv_heads: int, t_max: int, head_dim: int, dtype: torch.dtype,
                 num_sms: int, splits: int | None = None, config: DecodeConfig | None = None,
-                kv_dtype: torch.dtype | None = None, paged: bool = False) -> DecodePlan:
+                kv_dtype: torch.dtype | None = None, page_size: int = 0) -> DecodePlan:
     """The plan of a decode over ``batch * num_kv_heads`` (sequence, KV head) pairs and a cache of
     capacity ``t_max``, on a device with ``num_sms`` SMs.
 
@@ -173,13 +180,13 @@ def decode_plan(batch: int, num_kv_heads: int, t_max: int, head_dim: int, dtype:
     tile: at short contexts the latency of fewer, longer splits costs more than the extra states (H200,
     B = 1, T = 2k: 16 splits of one tile 8.8 µs, 8 of two 9.5 µs). ``config`` None: :func:`decode_config`
     of the query's ``dtype``; the shared memory of its K/V stages (programs per SM) counts in
-    ``kv_dtype`` (default ``dtype``; an FP8 cache takes half). ``paged``: the cache is read through a
-    block table (:func:`decode_config`).
+    ``kv_dtype`` (default ``dtype``; an FP8 cache takes half). ``page_size`` > 0: the cache is read
+    through a block table of pages of that size (:func:`decode_config`).
 
     >>> decode_plan(1, 8, 131072, 128, torch.bfloat16, 132).num_splits
     16
     """
-    config = config or decode_config(head_dim, dtype, t_max, paged)
+    config = config or decode_config(head_dim, dtype, t_max, page_size, kv_dtype)
     n_blocks = max(1, math.ceil(t_max / config.block_n))
     if splits is None:
         work = batch * num_kv_heads

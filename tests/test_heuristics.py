@@ -25,9 +25,14 @@ def test_decode_configs():
     assert decode_config(128, torch.bfloat16, 512) == DecodeConfig(64, 4, 2)
     assert decode_config(256, torch.float16) == DecodeConfig(64, 4, 2)
     assert decode_config(64, torch.float32) == DecodeConfig(64, 4, 2)
-    assert decode_config(128, torch.bfloat16, 131072, paged=True) == DecodeConfig(64, 4, 3, programs=3)
-    assert decode_config(128, torch.bfloat16, 512, paged=True) == DecodeConfig(64, 4, 2)
+    assert decode_config(128, torch.bfloat16, 131072, page_size=16) == DecodeConfig(64, 4, 3, programs=4)
+    assert decode_config(128, torch.bfloat16, 131072, page_size=1) == DecodeConfig(64, 4, 3, programs=3)
+    assert decode_config(128, torch.bfloat16, 512, page_size=16) == DecodeConfig(64, 4, 2)
     assert DecodeConfig(64, 4, 3, programs=3).programs_per_sm(128, torch.bfloat16) == 3  # measured, not estimated
+    # head dim 64: 256-key tiles for a 16-bit cache from 32k positions on
+    assert decode_config(64, torch.bfloat16, 131072) == DecodeConfig(256, 4, 3)
+    assert decode_config(64, torch.bfloat16, 16384) == DecodeConfig(128, 4, 3)
+    assert decode_config(64, torch.bfloat16, 131072, kv_dtype=torch.float8_e4m3fn) == DecodeConfig(128, 4, 3)
     assert DecodeConfig(128, 4, 3).programs_per_sm(128, torch.bfloat16) == 1  # 192 KB of K/V stages
     assert DecodeConfig(64, 4, 3).programs_per_sm(128, torch.bfloat16) == 2
 
@@ -55,11 +60,21 @@ def test_decode_plan(args, want):
     assert plan.num_splits * plan.tiles_per_split >= n_tiles > (plan.num_splits - 1) * plan.tiles_per_split
 
 
-def test_paged_decode_plan_fills_three_programs_per_sm():
-    """A paged cache: 64-key tiles, one wave of 3 programs on each of 132 SMs (396 slots)."""
-    plan = decode_plan(1, 8, 131072, 128, torch.bfloat16, 132, paged=True)
+def test_paged_decode_plan_fills_four_programs_per_sm():
+    """A paged cache: 64-key tiles, one wave of 4 programs on each of 132 SMs (528 slots); 3 with pages of
+    one position."""
+    plan = decode_plan(1, 8, 131072, 128, torch.bfloat16, 132, page_size=16)
+    assert (plan.config.block_n, plan.num_splits, plan.tiles_per_split) == (64, 64, 32)  # 512 programs
+    plan = decode_plan(1, 8, 131072, 128, torch.bfloat16, 132, page_size=1)
     assert (plan.config.block_n, plan.num_splits, plan.tiles_per_split) == (64, 49, 42)  # 392 programs
-    assert decode_plan(64, 8, 8192, 128, torch.bfloat16, 132, paged=True).num_splits == 1
+    assert decode_plan(64, 8, 8192, 128, torch.bfloat16, 132, page_size=16).num_splits == 1
+
+
+def test_head_dim_64_plan():
+    """Head dim 64 at B=1 T=128k: 256-key tiles, one program per SM, 16 splits (the sweep's best)."""
+    plan = decode_plan(1, 8, 131072, 64, torch.bfloat16, 132)
+    assert (plan.config.block_n, plan.num_splits) == (256, 16)
+    assert decode_plan(16, 8, 32768, 64, torch.bfloat16, 132).num_splits == 1
 
 
 def test_decode_plan_fixed_splits_are_capped_and_exact():

@@ -291,7 +291,7 @@ def export_floats(batch: int, hkv: int, tiling: RowTiling, head_dim: int, num_sp
 
 
 def _aot_spec(group, q_rows, export, page_size=0, causal=False, row_limits=False, block_n=128, kv="bf16",
-              kv_scale=0, window=False, softcap=False, sinks=False):
+              kv_scale=0, window=False, softcap=False, sinks=False, head_dim=128):
     tiling = row_tiling(q_rows, group)
     return {
         "kernel": _split_kv_kernel,
@@ -299,8 +299,8 @@ def _aot_spec(group, q_rows, export, page_size=0, causal=False, row_limits=False
                       "ROW_LIMITS": "*i32", "K_SCALE": "*fp32", "V_SCALE": "*fp32", "SINKS": "*fp32", "O": "*bf16",
                       "LSE": "*fp32", "WORK": "*fp32", "sm_scale": "fp32", "k_scale": "fp32",
                       "v_scale": "fp32", "cap": "fp32"},
-        "constexprs": dict(GROUP_SIZE=group, Q_ROWS=q_rows, HEAD_DIM=128, PAGE_SIZE=max(page_size, 1),
-                           BLOCK_H=tiling.block_h, BLOCK_N=block_n, BLOCK_D=128, HAS_SEQ_LENS=True,
+        "constexprs": dict(GROUP_SIZE=group, Q_ROWS=q_rows, HEAD_DIM=head_dim, PAGE_SIZE=max(page_size, 1),
+                           BLOCK_H=tiling.block_h, BLOCK_N=block_n, BLOCK_D=head_dim, HAS_SEQ_LENS=True,
                            IS_PAGED=page_size > 0, IS_CAUSAL=causal, HAS_ROW_LIMITS=row_limits,
                            HAS_WINDOW=window, SOFTCAP=softcap, HAS_SINKS=sinks and not export, KV_SCALE=kv_scale,
                            EXPORT=export, INPUT_PRECISION="tf32", UPCAST=False, PDL=True),
@@ -311,15 +311,16 @@ def _aot_spec(group, q_rows, export, page_size=0, causal=False, row_limits=False
 # Realistic sm_90 compiles of this file's kernels, checked on the CPU by tests/test_aot.py: dense single-row
 # (GQA 4 split, GQA 5, GQA 8 split), paged (page 16 and page 64), 4 causal rows, 16 rows x GQA 8 with
 # row limits (two row tiles), FP8 caches (e4m3 with scalar scales; e5m2 paged with per-head scales), and the
-# variants: a window with sinks (split and not), a softcap on 4 causal rows, 64-key tiles split; and the
-# combine, with the policy's split count and with the deterministic splits.
+# variants: a window with sinks (split and not), a softcap on 4 causal rows, 64-key tiles split, head dim 64
+# in 256-key tiles; and the combine, with the policy's split count and with the deterministic splits.
 AOT_SPECS = [_aot_spec(4, 1, True), _aot_spec(5, 1, False), _aot_spec(8, 1, True),
              _aot_spec(4, 1, True, page_size=16, block_n=64), _aot_spec(4, 1, False, page_size=64, block_n=64),
              _aot_spec(4, 4, True, causal=True), _aot_spec(8, 16, True, page_size=16, row_limits=True, block_n=64),
              _aot_spec(4, 1, True, kv="fp8e4nv", kv_scale=1),
              _aot_spec(4, 4, False, page_size=64, causal=True, kv="fp8e5", kv_scale=2, block_n=64),
              _aot_spec(4, 1, True, window=True, sinks=True), _aot_spec(4, 1, False, window=True, sinks=True),
-             _aot_spec(4, 4, True, causal=True, softcap=True), _aot_spec(4, 1, True, block_n=64)] + [
+             _aot_spec(4, 4, True, causal=True, softcap=True), _aot_spec(4, 1, True, block_n=64),
+             _aot_spec(4, 1, True, block_n=256, head_dim=64)] + [
     {"kernel": _combine_kernel, "signature": {"WORK": "*fp32", "SINKS": "*fp32", "O": "*bf16", "LSE": "*fp32"},
      "constexprs": cfg[0], "options": cfg[1]}
     for cfg in (combine_launch_config(4, 1, 128, True, 16, pdl=True),

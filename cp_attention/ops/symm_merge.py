@@ -36,11 +36,12 @@ That is the protocol for latency: no fence and no second trip, at twice the byte
 bound by the bytes instead, and take the bulk protocol, the same buffer with each slot's first half read as
 ``[M, D + 1]`` float32:
 
-1. store its rows as plain float32 into slot ``me`` of half ``e % 2`` of every rank's ``recv``; a
-   system-scope fence in every thread, a barrier, then thread 0 stores ``flags[me, p] = e`` on every rank
+1. store its rows as plain float32 into slot ``me`` of half ``e % 2`` of every peer's ``recv``; a
+   system-scope fence in every thread, a barrier, then thread 0 stores ``flags[me, p] = e`` on every peer
    with a release at system scope;
 2. every thread waits, on its own (acquire loads at system scope, as above no reduction), until
-   ``flags[r, p] - e >= 0`` for every rank ``r``, then loads the ``W`` slots past L1 (``.cg``);
+   ``flags[r, p] - e >= 0`` for every peer ``r``, then loads the peers' slots and its own rows (from
+   ``own``) past L1 (``.cg``);
 3. as above.
 
 Why a half is free when it is written: a rank writes half ``e % 2`` of its peers in call ``e`` only after
@@ -65,7 +66,7 @@ from triton.language.extra.cuda import gdc_wait
 
 from .._dispatch import cdiv, next_pow2
 from ._launch import launch, pdl_options
-from ._state import add_sink, finalize, fold_states, merge_tile
+from ._state import add_sink, finalize, fold_states
 
 MAX_PROGRAMS = 256
 BULK_MIN_ROWS = 1024  # merges of this many rows or more take the bulk protocol (Note [Symmetric-memory merge])
@@ -152,26 +153,32 @@ def _symm_merge_kernel(
     o_d = tl.arange(0, BLOCK_D)
     m_r = o_r < n_rows
     m_d = o_d < HEAD_DIM
+    m_sr = (o_s < WORLD)[:, None] & m_r[None, :]
+    m_srd = m_sr[:, :, None] & m_d[None, None, :]
     p_half = (p_mine + own_words).to(tl.pointer_type(tl.int64)) + half
     if BULK:
-        # 1. this rank's rows as float32 into slot `rank` of every rank's current half, then flag e
+        # 1. this rank's rows as float32 into slot `rank` of every peer's current half, then flag e
         b_x = tl.load(p_mine + i_m * ROW + o_f, mask=m_f)
         for r in tl.static_range(WORLD):
-            p_recv = (_peer(BUF_PTRS, r) + own_words).to(tl.pointer_type(tl.int64)) + half + rank * slot
-            tl.store(p_recv.to(tl.pointer_type(tl.float32)) + i_m * ROW + o_f, b_x, mask=m_f)
+            if r != rank:
+                p_recv = (_peer(BUF_PTRS, r) + own_words).to(tl.pointer_type(tl.int64)) + half + rank * slot
+                tl.store(p_recv.to(tl.pointer_type(tl.float32)) + i_m * ROW + o_f, b_x, mask=m_f)
         _fence_sys()
         tl.debug_barrier()
         for r in tl.static_range(WORLD):
-            p_flags = (_peer(BUF_PTRS, r) + own_words + 4 * WORLD * slot).to(tl.pointer_type(tl.int32)) + n_p
-            _release_flag(p_flags + rank * n_p + i_p, e)
-        # 2. every rank's flag e (or later) for this program, then its rows (past L1: they came over NVLink)
+            if r != rank:
+                p_flags = (_peer(BUF_PTRS, r) + own_words + 4 * WORLD * slot).to(tl.pointer_type(tl.int32)) + n_p
+                _release_flag(p_flags + rank * n_p + i_p, e)
+        # 2. every peer's flag e (or later) for this program, then the W slots (this rank's own rows from
+        # `own`) past L1: the peers' came over NVLink
         p_flags = p_epoch + n_p - i_p
         for r in tl.static_range(WORLD):
-            _acquire_flag(p_flags + r * n_p + i_p, e)
-        p_rows = p_half.to(tl.pointer_type(tl.float32)) + i_m * ROW
-        # 3. ⊕ over the slots in rank order (a slot is 2 * slot words of float32 apart)
-        b_o, b_lse = merge_tile(p_rows + HEAD_DIM, p_rows, WORLD, 2 * slot, ROW, 2 * slot, ROW, o_r, m_r, o_d, m_d,
-                                BLOCK_S, BLOCK_M, BLOCK_D, ".cg")
+            if r != rank:
+                _acquire_flag(p_flags + r * n_p + i_p, e)
+        p_slots = tl.where(o_s == rank, p_mine, p_half.to(tl.pointer_type(tl.float32)) + o_s.to(tl.int64) * 2 * slot)
+        p_rows = p_slots[:, None] + (i_m + o_r)[None, :] * ROW
+        b_o = tl.load(p_rows[:, :, None] + o_d[None, None, :], mask=m_srd, other=0.0, cache_modifier=".cg")
+        b_lse = tl.load(p_rows + HEAD_DIM, mask=m_sr, other=float("-inf"), cache_modifier=".cg")
     else:
         # 1. this rank's rows, flagged with e, into slot `rank` of every rank's current half
         bits = tl.load(p_mine + i_m * ROW + o_f, mask=m_f).to(tl.int32, bitcast=True)
@@ -180,20 +187,18 @@ def _symm_merge_kernel(
             p_recv = (_peer(BUF_PTRS, r) + own_words).to(tl.pointer_type(tl.int64))
             _store_sys(p_recv + half + rank * slot + i_m * ROW + o_f, words, m_f)
         # 2. the W slots of this rank's half, until every word carries flag e
-        m_sr = (o_s < WORLD)[:, None] & m_r[None, :]
-        m_srd = m_sr[:, :, None] & m_d[None, None, :]
         p_rows = p_half + o_s[:, None] * slot + (i_m + o_r)[None, :] * ROW
         p_o = p_rows[:, :, None] + o_d[None, None, :]
         w_o = _await_flag(tl.load(p_o, mask=m_srd, other=0, volatile=True), p_o, e, m_srd)
         w_l = _await_flag(tl.load(p_rows + HEAD_DIM, mask=m_sr, other=0, volatile=True), p_rows + HEAD_DIM, e, m_sr)
-        # 3. ⊕ over the slots in rank order
         b_o = w_o.to(tl.int32).to(tl.float32, bitcast=True)
         b_lse = tl.where(m_sr, w_l.to(tl.int32).to(tl.float32, bitcast=True), float("-inf"))
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        m_i, l_i, acc = fold_states(m_i, l_i, acc, b_lse, b_o)
-        b_o, b_lse = finalize(m_i, l_i, acc, 1.0)
+    # 3. ⊕ over the slots in rank order
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    m_i, l_i, acc = fold_states(m_i, l_i, acc, b_lse, b_o)
+    b_o, b_lse = finalize(m_i, l_i, acc, 1.0)
     if HAS_SINKS:  # the sinks once; row m is query head m % N_HEADS
         b_o, b_lse = add_sink(b_o, b_lse, tl.load(SINKS + ((i_m + o_r) % N_HEADS) * stride_sink, mask=m_r, other=0.0))
     tl.store(O_OUT + (i_m + o_r)[:, None] * stride_oom + o_d[None, :], b_o.to(O_OUT.dtype.element_ty),
