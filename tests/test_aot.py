@@ -50,18 +50,6 @@ def test_split_kv_streams_16_byte_copies_into_tensor_cores(report):
             assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents"), s["id"]
 
 
-def test_fp8_tiles_reach_the_tensor_cores_as_fp16(report):
-    """Note [Attention states inside kernels]: an FP8 K/V tile is converted to fp16 as it leaves shared
-    memory and reaches the dots through ldmatrix (transposed for V), as a 16-bit tile does; without the
-    opaque copy in ``kv_tile`` Triton gathered V's 8-bit values from shared memory byte by byte."""
-    specs = [s for s in report["specs"] if s["kernel"] == "_split_kv_kernel" and s["constexprs"]["KV_SCALE"]]
-    assert specs
-    for s in specs:
-        ptx = s["ptx"]
-        assert "ldmatrix.sync.aligned.m8n8.x4.trans" in ptx, s["id"]
-        assert "ld.shared.b8" not in ptx and "ld.shared.u8" not in ptx, s["id"]
-
-
 def test_symm_merge_protocols(report):
     """Note [Symmetric-memory merge]. Flagged words: one relaxed system-scope 8-byte store per value, volatile
     polls, and no fence or system-scope atomic on the path. Bulk: float32 stores, a system-scope fence

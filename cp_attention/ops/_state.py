@@ -29,18 +29,6 @@ fp32), so the dots run in fp16. A bf16 query is scaled per row by a power of two
 (:func:`fp16_query`). The kernels fold ``k_scale`` into the score scale and multiply the normalised ``o``
 by ``v_scale`` (see :func:`score_scales`).
 
-Where the conversion runs (:func:`kv_tile`): on rows of the tile as they leave shared memory (16-byte
-loads); the fp16 tile then reaches the tensor cores' operand layout through shared memory, as a 16-bit
-cache's does (``ldmatrix``, transposed for V; one fp16 tile of staging, 32 KB at 128 x 128). Left to
-itself, Triton moves the layout change above the conversion so that 8-bit values travel: the keys of a V
-column are not adjacent bytes, so V was gathered from shared memory byte by byte, and 8-bit operands also
-cost ``q`` and ``p`` their ``ldmatrix`` (operands in runs of 4 along the dot's depth). sm_90, 128 x 128
-tiles, 4 warps, Triton 3.6: 1122 SASS instructions per tile that way (172 shared loads, 196 registers,
-74 KB of shared memory), 736 this way (136 registers, 104 KB: still two programs per SM). What keeps the
-conversion in place is an identity ``mov`` of inline PTX marked impure (no SASS) between the load and
-the conversion: Triton moves layout changes only through pure operations, and sizes the operands' runs
-from the narrowest load it can trace back through them.
-
 Rounding (level 1): the weights ``p`` are rounded to the value dtype for the ``p @ v`` product on the
 tensor cores, and ``o`` is normalised by the sum of the *rounded* weights, so it is a convex combination
 of the values (``|o| <= max |v|``: an fp16 cache of 65504s gives 65504, not inf); the lse sums the
@@ -163,18 +151,6 @@ def pages_of(p_bt, stride_btp, o_t, m_t, num_pages, PAGE_SIZE: tl.constexpr):
 
 
 @triton.jit
-def kv_tile(x, dtype):
-    """A loaded K/V tile ``x`` as the dots take it, in ``dtype`` (the query's): a bf16/fp16 tile unchanged, an
-    FP8 tile converted to fp16 behind an opaque copy that keeps the conversion in the load's layout (Note
-    [Attention states inside kernels], where the conversion runs). The interpreter runs no PTX and needs
-    no such copy."""
-    if x.dtype.is_fp8():  # at compile time
-        if not INTERPRET:
-            x = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=4)
-    return x.to(dtype)
-
-
-@triton.jit
 def attend_tiles(b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt, p_bt, stride_btp, stride_kp, stride_vp,
                  num_pages, t_start, t_end, qk_scale, cap, o_d, m_d,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
@@ -232,7 +208,7 @@ def attend_tile(m_i, l_i, r_i, acc, b_q, row_lo, row_hi, p_k, p_v, stride_kt, st
         o_t64 = o_t.to(tl.int64)
         o_k = o_t64 * stride_kt
         o_v = o_t64 * stride_vt
-    b_k = kv_tile(tl.load(p_k + o_k[:, None] + o_d[None, :], mask=m_td, other=0.0), b_q.dtype)
+    b_k = tl.load(p_k + o_k[:, None] + o_d[None, :], mask=m_td, other=0.0).to(b_q.dtype)  # FP8: dequantised
     b_s = dot(b_q, tl.trans(b_k), None, INPUT_PRECISION, UPCAST) * qk_scale
     if SOFTCAP:  # cap * tanh(x), tanh(x) = 1 - 2 / (1 + e^{2x}): exact limits +-1 for large |x|
         b_s = cap * (1.0 - 2.0 / (1.0 + tl.exp2(b_s * (2.0 * LOG2E))))
@@ -243,7 +219,7 @@ def attend_tile(m_i, l_i, r_i, acc, b_q, row_lo, row_hi, p_k, p_v, stride_kt, st
         m_ts = m_ts & (o_t[None, :] >= row_lo[:, None])
     b_s = tl.where(m_ts, b_s, float("-inf"))
     m_i, m_ref, alpha = running_max(m_i, tl.max(b_s, 1), 1.0)
-    b_v = kv_tile(tl.load(p_v + o_v[:, None] + o_d[None, :], mask=m_td, other=0.0), b_q.dtype)
+    b_v = tl.load(p_v + o_v[:, None] + o_d[None, :], mask=m_td, other=0.0).to(b_q.dtype)
     p = tl.exp2(b_s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     p = p.to(b_v.dtype)
