@@ -79,6 +79,19 @@ def _peer(BUF_PTRS, r):
 
 
 @triton.jit
+def _recv(p_buf, own_words):
+    """``recv`` of the buffer at ``p_buf`` (64-bit words, after ``own``)."""
+    return (p_buf + own_words).to(tl.pointer_type(tl.int64))
+
+
+@triton.jit
+def _epochs(p_buf, own_words, slot, WORLD: tl.constexpr):
+    """``epoch`` of the buffer at ``p_buf`` (int32, after the ``4 * W * slot`` words of ``recv``); ``flags``
+    follow it, ``P`` words on."""
+    return (p_buf + own_words + 4 * WORLD * slot).to(tl.pointer_type(tl.int32))
+
+
+@triton.jit
 def _store_sys(p_words, words, mask):
     """``*p_words = words`` where ``mask``: one relaxed 8-byte store at system scope per word (a reader on
     any GPU sees a word whole or not at all)."""
@@ -143,7 +156,7 @@ def _symm_merge_kernel(
     own_words = (M.to(tl.int64) * ROW + 1) // 2 * 2  # `own`, padded to whole 8-byte words
     slot = M.to(tl.int64) * ROW  # 8-byte words per slot of `recv`
     p_mine = _peer(BUF_PTRS, rank)
-    p_epoch = (p_mine + own_words + 4 * WORLD * slot).to(tl.pointer_type(tl.int32)) + i_p
+    p_epoch = _epochs(p_mine, own_words, slot, WORLD) + i_p
     e = tl.load(p_epoch, volatile=True) + 1
     half = (e & 1).to(tl.int64) * WORLD * slot
     o_f = tl.arange(0, BLOCK_F)
@@ -155,26 +168,24 @@ def _symm_merge_kernel(
     m_d = o_d < HEAD_DIM
     m_sr = (o_s < WORLD)[:, None] & m_r[None, :]
     m_srd = m_sr[:, :, None] & m_d[None, None, :]
-    p_half = (p_mine + own_words).to(tl.pointer_type(tl.int64)) + half
+    p_half = _recv(p_mine, own_words) + half
     if BULK:
         # 1. this rank's rows as float32 into slot `rank` of every peer's current half, then flag e
         b_x = tl.load(p_mine + i_m * ROW + o_f, mask=m_f)
         for r in tl.static_range(WORLD):
             if r != rank:
-                p_recv = (_peer(BUF_PTRS, r) + own_words).to(tl.pointer_type(tl.int64)) + half + rank * slot
+                p_recv = _recv(_peer(BUF_PTRS, r), own_words) + half + rank * slot
                 tl.store(p_recv.to(tl.pointer_type(tl.float32)) + i_m * ROW + o_f, b_x, mask=m_f)
         _fence_sys()
         tl.debug_barrier()
         for r in tl.static_range(WORLD):
             if r != rank:
-                p_flags = (_peer(BUF_PTRS, r) + own_words + 4 * WORLD * slot).to(tl.pointer_type(tl.int32)) + n_p
-                _release_flag(p_flags + rank * n_p + i_p, e)
+                _release_flag(_epochs(_peer(BUF_PTRS, r), own_words, slot, WORLD) + n_p + rank * n_p + i_p, e)
         # 2. every peer's flag e (or later) for this program, then the W slots (this rank's own rows from
         # `own`) past L1: the peers' came over NVLink
-        p_flags = p_epoch + n_p - i_p
         for r in tl.static_range(WORLD):
             if r != rank:
-                _acquire_flag(p_flags + r * n_p + i_p, e)
+                _acquire_flag(p_epoch + n_p + r * n_p, e)
         p_slots = tl.where(o_s == rank, p_mine, p_half.to(tl.pointer_type(tl.float32)) + o_s.to(tl.int64) * 2 * slot)
         p_rows = p_slots[:, None] + (i_m + o_r)[None, :] * ROW
         b_o = tl.load(p_rows[:, :, None] + o_d[None, None, :], mask=m_srd, other=0.0, cache_modifier=".cg")
@@ -184,8 +195,7 @@ def _symm_merge_kernel(
         bits = tl.load(p_mine + i_m * ROW + o_f, mask=m_f).to(tl.int32, bitcast=True)
         words = (e.to(tl.int64) << 32) | (bits.to(tl.int64) & 0xFFFFFFFF)
         for r in tl.static_range(WORLD):
-            p_recv = (_peer(BUF_PTRS, r) + own_words).to(tl.pointer_type(tl.int64))
-            _store_sys(p_recv + half + rank * slot + i_m * ROW + o_f, words, m_f)
+            _store_sys(_recv(_peer(BUF_PTRS, r), own_words) + half + rank * slot + i_m * ROW + o_f, words, m_f)
         # 2. the W slots of this rank's half, until every word carries flag e
         p_rows = p_half + o_s[:, None] * slot + (i_m + o_r)[None, :] * ROW
         p_o = p_rows[:, :, None] + o_d[None, None, :]
