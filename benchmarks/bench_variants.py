@@ -10,12 +10,14 @@ bf16, Hq=32, Hkv=8, D=128, every sequence at the full context T; µs per call wi
 
     PYTHONPATH=. python3 benchmarks/bench_variants.py
 
-Writes benchmarks/results/bench_variants.json.
+Writes benchmarks/results/bench_variants.json and bench_variants.png (graph µs per variant, each section
+against its plain call; ``--plot-only`` redraws the PNG from the JSON, no GPU needed).
 """
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import sys
 
@@ -23,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._harness import measure, table, write_json  # noqa: E402
+from benchmarks._harness import RESULTS, measure, table, write_json  # noqa: E402
 from cp_attention import flash_decode  # noqa: E402
 
 HQ, HKV, D, DT = 32, 8, 128, torch.bfloat16
@@ -41,7 +43,11 @@ def inputs(b, t):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sections", nargs="+", default=["window", "softcap-sinks"], choices=["window", "softcap-sinks"])
+    ap.add_argument("--plot-only", action="store_true", help="redraw the PNG from the saved JSON and exit")
     args = ap.parse_args()
+    if args.plot_only:
+        plot(json.loads((RESULTS / "bench_variants.json").read_text())["rows"])
+        return
     rows = []
     sinks = torch.linspace(-1.0, 1.0, HQ, device="cuda")
     if "window" in args.sections:
@@ -72,8 +78,34 @@ def main():
             del q, k, v
             torch.cuda.empty_cache()
     path = write_json("bench_variants", {"rows": rows})
-    print(f"wrote {path}")
+    plot(rows)
+    print(f"wrote {path} and {RESULTS / 'bench_variants.png'}")
     print(table(rows, ["section", "B", "T", "what", "cp_graph_us", "cp_call_us", "vs_plain_window", "vs_plain"]))
+
+
+def plot(rows):
+    """Graph µs of every row, one bar per variant, grouped by (section, B, T); the plain call of a group (for
+    the window section: the plain 4k + 1 decode) drawn first."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if "cp_graph_us" in r]
+    fig, ax = plt.subplots(figsize=(max(8, 0.7 * len(rows)), 4))
+    labels = [f"{r['what']}\nB={r['B']} T={r['T']}" for r in rows]
+    colors = ["grey" if r["what"] == "plain" else "tab:blue" for r in rows]
+    ax.bar(range(len(rows)), [r["cp_graph_us"] for r in rows], color=colors)
+    for i, r in enumerate(rows):
+        ratio = r.get("vs_plain_window", r.get("vs_plain"))
+        if ratio is not None and r["what"] != "plain":
+            ax.annotate(f"{ratio:.3f}x", (i, r["cp_graph_us"]), ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(rows)), labels, fontsize=7, rotation=90)
+    ax.set_yscale("log")
+    ax.set_ylabel("µs per call (CUDA graph of 20)")
+    ax.set_title("flash_decode variants against the plain call (bf16, 32/8/128)")
+    fig.tight_layout()
+    fig.savefig(RESULTS / "bench_variants.png", dpi=120)
 
 
 if __name__ == "__main__":
