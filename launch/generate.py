@@ -343,13 +343,13 @@ def decode(model, caches, first, steps: int, args, device):
 
 def profile_table(prof, steps: int, cuda: bool, top: int = 30) -> dict:
     """Where a profiled decode step's time goes: self time per op or kernel (GPU kernel time on CUDA, CPU
-    time on the CPU), in µs per step, largest first."""
+    time on the CPU), in µs per step, largest first; ``entries_per_step``: kernels (ops on the CPU) per step."""
     attr = "self_device_time_total" if cuda else "self_cpu_time_total"
     rows = sorted(((getattr(e, attr), e.count, e.key) for e in prof.key_averages() if getattr(e, attr) > 0),
                   reverse=True)
     total = sum(t for t, _, _ in rows)
     return {"clock": "GPU kernel time" if cuda else "CPU self time", "steps": steps,
-            "total_us_per_step": total / steps,
+            "total_us_per_step": total / steps, "entries_per_step": sum(c for _, c, _ in rows) / steps,
             "top": [{"name": k, "us_per_step": t / steps, "share": t / total, "calls_per_step": c / steps}
                     for t, c, k in rows[:top]]}
 

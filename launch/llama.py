@@ -11,8 +11,11 @@ ones (``model.layers.0.self_attn.q_proj.weight``), so a checkpoint written by ``
 
 The model computes everything but attention: :meth:`Transformer.forward` takes a callable ``attention(layer,
 q, k, v) -> o`` that owns the KV cache (a context-parallel prefill, or ``CPKVCache.append`` + ``decode`` in
-``launch/generate.py``). RoPE and RMSNorm follow ``transformers`` operation by operation (same dtypes, same
-order), so float32 logits agree with ``LlamaForCausalLM`` to rounding.
+``launch/generate.py``). RoPE, RMSNorm and the gated activation follow ``transformers`` operation by
+operation (same dtypes, same roundings), so float32 logits agree with ``LlamaForCausalLM`` to rounding. On a
+GPU they are the Triton kernels of ``launch/kernels.py`` (the residual adds folded into the norms), and the
+q/k/v and gate/up projections are one GEMM each (:meth:`Transformer.fuse_projections`, done by the loaders):
+a decode step launches about ten kernels per layer instead of forty.
 
 Checkpoints are checked from ``config.json`` and the safetensors headers (:func:`inspect_checkpoint`) before
 any tensor is read: unsupported architectures, head dims the decode kernels do not take and missing or
@@ -28,6 +31,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from launch.kernels import gated_act, rmsnorm, rope_
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma2")
 
@@ -213,11 +218,6 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
     return torch.where(is_medium, smoothed, inv_freq_llama)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, gemma: bool = False):
         super().__init__()
@@ -225,18 +225,28 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.gemma = gemma
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[..., dim]`` -> ``[..., dim]``: normalised in float32, then scaled as transformers does: by the
-        weight in x's dtype (Llama), or by ``1 + weight`` in float32 before the cast (Gemma 2)."""
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.gemma:
-            return (h * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight * h.to(x.dtype)
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """``[..., dim]`` -> ``[..., dim]``, after ``x += delta`` in place when ``delta`` is given
+        (:func:`launch.kernels.rmsnorm`)."""
+        return rmsnorm(x, self.weight, self.eps, delta, self.gemma)
+
+
+def _fused_linear(*parts: nn.Linear) -> nn.Linear:
+    """One ``nn.Linear`` whose output is the outputs of ``parts`` side by side (their weights concatenated)."""
+    bias = parts[0].bias is not None
+    weight = parts[0].weight
+    fused = nn.Linear(weight.shape[1], sum(p.weight.shape[0] for p in parts), bias=bias, device="meta")
+    fused.weight = nn.Parameter(torch.cat([p.weight.data for p in parts]), requires_grad=False)
+    if bias:
+        fused.bias = nn.Parameter(torch.cat([p.bias.data for p in parts]), requires_grad=False)
+    return fused
 
 
 class Attention(nn.Module):
-    """The projections around attention; the attention itself is the caller's (:meth:`Transformer.forward`)."""
+    """The projections around attention; the attention itself is the caller's (:meth:`Transformer.forward`).
+
+    Built with the checkpoint's ``q_proj``/``k_proj``/``v_proj``; :meth:`Transformer.fuse_projections` then
+    replaces them by ``qkv_proj`` (one GEMM)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -248,16 +258,18 @@ class Attention(nn.Module):
 
     def qkv(self, x, cos, sin):
         """``x [..., dim]``, ``cos``/``sin [..., head_dim]`` -> ``q [..., Hq, D]``, ``k``/``v [..., Hkv, D]``
-        (RoPE applied to q and k), x's dtype."""
-        lead = x.shape[:-1]
-        q = self.q_proj(x).view(*lead, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(*lead, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(*lead, self.n_kv_heads, self.head_dim)
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+        (RoPE applied to q and k), x's dtype: views of one fused projection's output."""
+        lead, hq, hkv, d = x.shape[:-1], self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)
+        rope_(qkv, cos, sin, hq + hkv, d)
+        heads = qkv.unflatten(-1, (hq + 2 * hkv, d))
+        return heads[..., :hq, :], heads[..., hq: hq + hkv, :], heads[..., hq + hkv:, :]
 
 
 class MLP(nn.Module):
+    """Gate, up and down projections; :meth:`Transformer.fuse_projections` replaces ``gate_proj``/``up_proj``
+    by ``gate_up_proj`` (one GEMM)."""
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.gate_proj = nn.Linear(args.dim, args.intermediate_size, bias=args.mlp_bias)
@@ -266,9 +278,7 @@ class MLP(nn.Module):
         self.gelu = args.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.gate_proj(x)
-        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.down_proj(gate * self.up_proj(x))
+        return self.down_proj(gated_act(self.gate_up_proj(x), self.gelu))
 
 
 class Block(nn.Module):
@@ -327,16 +337,32 @@ class Transformer(nn.Module):
         freqs = positions[..., None].float() * self.inv_freq  # as transformers: float32, then cos/sin
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        for i, layer in enumerate(self.model.layers):
-            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
+        layers = self.model.layers
+        h = layers[0].input_layernorm(x)
+        for i, layer in enumerate(layers):
+            q, k, v = layer.self_attn.qkv(h, cos, sin)
             a = layer.self_attn.o_proj(attention(i, q, k, v).flatten(-2))
+            after = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             if gemma:
                 x = x + layer.post_attention_layernorm(a)
                 x = x + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(x)))
-            else:
-                x = x + a
-                x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.model.norm(x)
+                h = after(x)
+            else:  # the residual adds fold into the norms that follow them (x updated in place)
+                m = layer.mlp(layer.post_attention_layernorm(x, a))
+                h = after(x, m)
+        return h
+
+    def fuse_projections(self) -> "Transformer":
+        """Replace each layer's q/k/v projections by one ``qkv_proj`` and gate/up by one ``gate_up_proj``
+        (weights concatenated; the originals dropped, so the memory does not double). :meth:`forward` needs
+        it; the loaders call it after the checkpoint's tensors are in place."""
+        for layer in self.model.layers:
+            att, mlp = layer.self_attn, layer.mlp
+            att.qkv_proj = _fused_linear(att.q_proj, att.k_proj, att.v_proj)
+            del att.q_proj, att.k_proj, att.v_proj
+            mlp.gate_up_proj = _fused_linear(mlp.gate_proj, mlp.up_proj)
+            del mlp.gate_proj, mlp.up_proj
+        return self
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """``[..., dim]`` final hidden states -> ``[..., vocab]`` logits in the model's dtype."""
@@ -403,8 +429,9 @@ def load_checkpoint(args: ModelArgs, files: dict, device, dtype) -> Transformer:
     with torch.device("meta"):
         model = Transformer(args)
     model.load_state_dict(state, strict=True, assign=True)
+    del state
     model.inv_freq = rope_inv_freq(args).to(device)
-    return model.eval()
+    return model.fuse_projections().eval()
 
 
 def random_model(args: ModelArgs, device, dtype, seed: int = 0, std: float = 0.02) -> Transformer:
@@ -422,4 +449,4 @@ def random_model(args: ModelArgs, device, dtype, seed: int = 0, std: float = 0.0
         else:
             p.data.normal_(0.0, std, generator=gen)
     model.inv_freq = rope_inv_freq(args).to(device)
-    return model.eval()
+    return model.fuse_projections().eval()

@@ -1,4 +1,4 @@
-"""Compile every ``AOT_SPECS`` entry of cp_attention/ops for sm_90 and print a JSON report.
+"""Compile every ``AOT_SPECS`` entry of cp_attention/ops (and launch/kernels.py) for sm_90 and print a JSON report.
 
 Run in its own process (the interpreter must be off so ``@triton.jit`` gives compilable functions);
 tests/test_aot.py drives it.
@@ -36,15 +36,18 @@ def compile_spec(spec):
 
 def main():
     report = {"specs": [], "unregistered": []}
-    for info in pkgutil.iter_modules(ops_pkg.__path__):
-        mod = importlib.import_module(f"cp_attention.ops.{info.name}")
+    # the library's kernels, and the model kernels of launch/generate.py
+    names = [f"cp_attention.ops.{info.name}" for info in pkgutil.iter_modules(ops_pkg.__path__)] + ["launch.kernels"]
+    for name in names:
+        mod = importlib.import_module(name)
+        short = name.rsplit(".", 1)[1]
         specs = getattr(mod, "AOT_SPECS", [])
         registered = {id(s["kernel"]) for s in specs}
-        for name, fn in vars(mod).items():
-            if isinstance(fn, JITFunction) and name.endswith("_kernel") and id(fn) not in registered:
-                report["unregistered"].append(f"{info.name}.{name}")
+        for fn_name, fn in vars(mod).items():
+            if isinstance(fn, JITFunction) and fn_name.endswith("_kernel") and id(fn) not in registered:
+                report["unregistered"].append(f"{short}.{fn_name}")
         for i, spec in enumerate(specs):
-            entry = {"id": f"{info.name}-{i}", "kernel": spec["kernel"].__name__, "constexprs": spec["constexprs"]}
+            entry = {"id": f"{short}-{i}", "kernel": spec["kernel"].__name__, "constexprs": spec["constexprs"]}
             try:
                 k = compile_spec(spec)
                 entry.update(ok=bool(k.asm.get("cubin")), ptx=k.asm["ptx"], shared=k.metadata.shared,
