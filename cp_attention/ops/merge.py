@@ -40,9 +40,8 @@ def merge_states_into(o, lse, o_out, lse_out, sinks=None) -> None:
     n, m, d = o.shape
     if m == 0:
         return
+    block_m, block_s, num_warps = merge_config(n, m, d)
     block_d = next_pow2(d)
-    block_s = min(16, next_pow2(n))
-    block_m = max(1, min(8, 4096 // (block_s * block_d)))
     has_sinks = sinks is not None
     launch(
         _merge_states_kernel, (-(-m // block_m),),
@@ -50,8 +49,16 @@ def merge_states_into(o, lse, o_out, lse_out, sinks=None) -> None:
          o.stride(0), o.stride(1), lse.stride(0), lse.stride(1), o_out.stride(0), lse_out.stride(0),
          sinks.stride(0) if has_sinks else 0),
         dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_S=block_s, BLOCK_D=block_d, HAS_SINKS=has_sinks),
-        num_warps=4 if block_m * block_s * block_d >= 2048 else 1,
+        num_warps=num_warps,
     )
+
+
+def merge_config(n: int, m: int, d: int) -> tuple:
+    """``(BLOCK_M, BLOCK_S, num_warps)`` of the merge of ``n`` states of ``m`` rows of head dim ``d``: up to 16
+    states per load, rows per program so that a program loads up to 4096 values."""
+    block_d, block_s = next_pow2(d), min(16, next_pow2(n))
+    block_m = max(1, min(8, 4096 // (block_s * block_d)))
+    return block_m, block_s, 4 if block_m * block_s * block_d >= 2048 else 1
 
 
 # Realistic sm_90 compiles of this file's kernel, checked on the CPU by tests/test_aot.py.
