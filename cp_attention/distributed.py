@@ -43,7 +43,7 @@ import torch.distributed as dist
 from . import _dispatch
 from ._constants import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES
 from ._validate import (check_bool, check_index_tensor, check_int, check_kv_layout, check_kv_scales, check_sm_scale,
-                        check_state, check_tensor)
+                        check_state, check_tensor, check_unit_stride)
 from .cascade import cascade_decode
 from .decode import check_decode_args, check_split_size, combine_exported, flash_decode
 from .exchange import _all_gather_single, exchange_for, set_exchange
@@ -436,8 +436,9 @@ class CPKVCache:
     :meth:`rollback` drops rejected drafts.
 
     CUDA graphs. :meth:`append` decides owners and slots on the device from ``global_seq_lens``; a
-    non-owner writes into a scratch slot (dense) or scratch page (paged) that is never read, so every rank
-    runs the same kernels whatever the step. Hence one captured graph of ``cache.append(k_in, v_in);
+    non-owner writes nothing (the Triton kernel decides on the device) or, on the torch path, into a
+    scratch slot (dense) or scratch page (paged) that is never read, so every rank runs the same kernels
+    whatever the step. Hence one captured graph of ``cache.append(k_in, v_in);
     o_out.copy_(cache.decode(q_in, check_metadata=False))`` with static ``k_in``, ``v_in``, ``q_in`` (fill
     them with ``copy_`` before each replay) is replayed step after step. The host-side count that guards
     the capacity is not advanced by replays: the caller bounds them by :attr:`free_slots` (beyond it,
@@ -529,11 +530,7 @@ class CPKVCache:
     def _store(self, slots, mine, k_rows, v_rows) -> None:
         """Write ``k_rows``/``v_rows [B, n, Hkv, D]`` at local ``slots [B, n]`` where ``mine`` (quantised with
         the cache's scales if it is FP8 and they are not); the others go to the scratch slot or page."""
-        if self.k.dtype in FP8_DTYPES and k_rows.dtype not in FP8_DTYPES:
-            from .quant import quantize
-
-            k_rows, v_rows = (quantize(x, torch.as_tensor(sc, dtype=torch.float32, device=x.device), self.k.dtype, 2)
-                              for x, sc in ((k_rows, self.k_scale), (v_rows, self.v_scale)))
+        k_rows, v_rows = self._quantized(k_rows, v_rows)
         b_idx = self._batch_idx[:, None].expand_as(slots)
         if self.block_table is None:
             slot = torch.where(mine, slots, self.capacity)
@@ -545,6 +542,16 @@ class CPKVCache:
             off = torch.where(mine, slots % self.page_size, 0)
             self.k[page, off] = k_rows
             self.v[page, off] = v_rows
+
+    def _quantized(self, k_rows, v_rows):
+        """``k_rows``/``v_rows [B, n, Hkv, D]`` in the cache's dtype: float rows quantised with the scales of an
+        FP8 cache, others as they are."""
+        if self.k.dtype not in FP8_DTYPES or k_rows.dtype in FP8_DTYPES:
+            return k_rows, v_rows
+        from .quant import quantize
+
+        return tuple(quantize(x, torch.as_tensor(sc, dtype=torch.float32, device=x.device), self.k.dtype, 2)
+                     for x, sc in ((k_rows, self.k_scale), (v_rows, self.v_scale)))
 
     def set_lengths(self, seq_lens) -> None:
         """Declare the whole-sequence lengths ``seq_lens [B]`` (int, ``<= max_seq_len``) of the tokens already
@@ -570,12 +577,14 @@ class CPKVCache:
     def append(self, k_new, v_new) -> None:
         """Append one token (``[B, Hkv, D]``) or ``Q`` tokens (``[B, Q, Hkv, D]``) per sequence, in the
         cache's dtype (an FP8 cache also takes float16/bfloat16/float32 tokens and quantises them with its
-        scales) and device, the same on every rank. Global position ``len + j`` goes to rank
-        ``(len + j) % W``; no host sync."""
+        scales) and device, the same on every rank, unit stride in D. Global position ``len + j`` goes to
+        rank ``(len + j) % W``; no host sync. With the Triton kernels one launch stores the tokens and
+        advances the lengths (``ops/append.py``; non-owners write nothing)."""
         b, hkv, d = self.seq_lens.shape[0], self._heads_kv, self._head_dim
         dtypes = (self.k.dtype,) + (FLOAT_DTYPES if self.k.dtype in FP8_DTYPES else ())
         for name, t in (("k_new", k_new), ("v_new", v_new)):
             check_tensor(name, t, dtypes=dtypes, device=self.k.device)
+            check_unit_stride(name, t)
             if t.dim() == 3:
                 t = t.unsqueeze(1)
             if t.dim() != 4 or t.shape[0] != b or tuple(t.shape[2:]) != (hkv, d):
@@ -589,12 +598,19 @@ class CPKVCache:
         if self.free_slots < n:
             raise RuntimeError(f"CPKVCache is full: {n} more tokens would pass max_seq_len = {self.max_seq_len} "
                                f"({self.free_slots} free)")
-        pos = self.global_seq_lens[:, None] + torch.arange(n, device=self.k.device)  # [B, n] global positions
-        slots = torch.div(pos, self.world_size, rounding_mode="floor")
-        mine = (pos.remainder(self.world_size) == self.rank) & (slots < self.capacity)
-        self._store(slots, mine, k_new, v_new)
-        self.seq_lens += mine.sum(1).to(self.seq_lens.dtype)
-        self.global_seq_lens += n
+        if _dispatch.use_triton(self.k):
+            from .ops.append import append_tokens
+
+            k_new, v_new = self._quantized(k_new, v_new)
+            append_tokens(k_new, v_new, self.k, self.v, self.block_table, self.seq_lens, self.global_seq_lens,
+                          self.rank, self.world_size, self.capacity)
+        else:
+            pos = self.global_seq_lens[:, None] + torch.arange(n, device=self.k.device)  # [B, n] global positions
+            slots = torch.div(pos, self.world_size, rounding_mode="floor")
+            mine = (pos.remainder(self.world_size) == self.rank) & (slots < self.capacity)
+            self._store(slots, mine, k_new, v_new)
+            self.seq_lens += mine.sum(1).to(self.seq_lens.dtype)
+            self.global_seq_lens += n
         self._host_max_len += n
 
     def rollback(self, n) -> None:
