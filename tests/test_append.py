@@ -49,22 +49,23 @@ def _without_scratch(buf, paged):
     return buf.view(torch.uint8)[:-1] if paged else buf.view(torch.uint8)[:, :, :-1]
 
 
-def _tokens(gen, n, dtype):
+def _tokens(gen, n, dtype, device):
     """K and V tokens ``[B, n, Hkv, D]`` (``[B, Hkv, D]`` for n == 1), as strided views of one tensor."""
     kv = torch.randn(B, n, 2, HKV, D, generator=gen)
     if dtype in FP8:
         kv = kv * 50
-    kv = kv.to(dtype)
+    kv = kv.to(dtype).to(device)
     if n == 1:
         return kv[:, 0, 0], kv[:, 0, 1]
     return kv[:, :, 0], kv[:, :, 1]
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_append_kernel_matches_torch_path(case, monkeypatch):
+def test_append_kernel_matches_torch_path(case, monkeypatch, device):
     page_size, world, rank, dtype, tok_dtype, scales, drafts = case
     gen = torch.Generator().manual_seed(0)
-    kw = dict(dtype=dtype, rank=rank, world_size=world, page_size=page_size, **SCALES[scales])
+    scales = {name: sc.to(device) if isinstance(sc, torch.Tensor) else sc for name, sc in SCALES[scales].items()}
+    kw = dict(dtype=dtype, rank=rank, world_size=world, page_size=page_size, device=device, **scales)
     kernel, ref = CPKVCache(B, HKV, D, MAX_LEN, **kw), CPKVCache(B, HKV, D, MAX_LEN, **kw)
     paged = page_size is not None
     for buf, ref_buf in zip(_buffers(kernel), _buffers(ref)):  # the same poison in both
@@ -72,8 +73,8 @@ def test_append_kernel_matches_torch_path(case, monkeypatch):
         buf.view(torch.uint8).copy_(bits)
         ref_buf.view(torch.uint8).copy_(bits)
     scratch = [_scratch(buf, paged).clone() for buf in _buffers(kernel)]
-    kernel.set_lengths(START)
-    ref.set_lengths(START)
+    kernel.set_lengths(START.to(device))
+    ref.set_lengths(START.to(device))
 
     step = 0
     while int(kernel.global_seq_lens.min()) < MAX_LEN + 8:  # past max_seq_len for every sequence
@@ -81,7 +82,7 @@ def test_append_kernel_matches_torch_path(case, monkeypatch):
         step += 1
         if kernel.free_slots < n:  # as graph replays do: the host-side count stays behind
             kernel._host_max_len = ref._host_max_len = MAX_LEN - n
-        k_new, v_new = _tokens(gen, n, tok_dtype)
+        k_new, v_new = _tokens(gen, n, tok_dtype, device)
         kernel.append(k_new, v_new)
         with monkeypatch.context() as m:
             m.setattr(dispatch, "use_triton", lambda t: False)
@@ -96,22 +97,22 @@ def test_append_kernel_matches_torch_path(case, monkeypatch):
         assert torch.equal(_scratch(got, paged), before)
 
 
-def test_append_kernel_with_drafts_and_rollback(monkeypatch):
+def test_append_kernel_with_drafts_and_rollback(monkeypatch, device):
     """Ragged lengths from rejected drafts (a tensor rollback) between multi-token appends."""
     gen = torch.Generator().manual_seed(1)
-    kw = dict(dtype=torch.bfloat16, rank=1, world_size=3, page_size=5)
+    kw = dict(dtype=torch.bfloat16, rank=1, world_size=3, page_size=5, device=device)
     kernel, ref = CPKVCache(B, HKV, D, MAX_LEN, **kw), CPKVCache(B, HKV, D, MAX_LEN, **kw)
     for n, rejected in ((4, [0, 3, 1]), (4, [4, 0, 2]), (2, [1, 1, 0]), (5, [0, 0, 0])):
-        k_new, v_new = _tokens(gen, n, torch.bfloat16)
+        k_new, v_new = _tokens(gen, n, torch.bfloat16, device)
         kernel.append(k_new, v_new)
         with monkeypatch.context() as m:
             m.setattr(dispatch, "use_triton", lambda t: False)
             ref.append(k_new, v_new)
         for cache in (kernel, ref):
-            cache.rollback(torch.tensor(rejected))
+            cache.rollback(torch.tensor(rejected, device=device))
     assert torch.equal(kernel.seq_lens, ref.seq_lens) and torch.equal(kernel.global_seq_lens, ref.global_seq_lens)
     for b in range(B):
-        slots = torch.arange(int(kernel.seq_lens[b]))
+        slots = torch.arange(int(kernel.seq_lens[b]), device=device)
         pages = kernel.block_table[b, slots // 5]
         for got, want in ((kernel.k, ref.k), (kernel.v, ref.v)):
             assert torch.equal(got[pages, slots % 5], want[pages, slots % 5])

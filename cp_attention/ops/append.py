@@ -25,7 +25,8 @@ def _append_kernel(
     o_c = o_h[:, None] * stride_head + o_d[None, :]
     b_len = tl.load(GLOBAL_SEQ_LENS + i_b)
     b_owned = tl.zeros([], dtype=tl.int32)
-    for j in range(N_NEW):
+    j = 0
+    while j < N_NEW:  # a while loop: Note [Loops under the interpreter] (ops/_state.py)
         p = b_len + j  # global position; local slot p // WORLD on rank p % WORLD
         s = p // WORLD
         if (p % WORLD == RANK) & (s < CAPACITY):
@@ -39,6 +40,7 @@ def _append_kernel(
             tl.store(K + o_row + o_c, b_k, mask=m_hd)
             tl.store(V + o_row + o_c, b_v, mask=m_hd)
             b_owned += 1
+        j += 1
     tl.store(SEQ_LENS + i_b, tl.load(SEQ_LENS + i_b) + b_owned)
     tl.store(GLOBAL_SEQ_LENS + i_b, b_len + N_NEW)
 
