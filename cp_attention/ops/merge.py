@@ -55,10 +55,14 @@ def merge_states_into(o, lse, o_out, lse_out, sinks=None) -> None:
 
 def merge_config(n: int, m: int, d: int) -> tuple:
     """``(BLOCK_M, BLOCK_S, num_warps)`` of the merge of ``n`` states of ``m`` rows of head dim ``d``: up to 16
-    states per load, rows per program so that a program loads up to 4096 values."""
+    states per load, up to 4 rows per program (4096 values at most), one warp.
+
+    One warp keeps the max and the sums over the states in registers; with four (as before) they crossed
+    warps through shared memory, 2.2-3.9x slower on the H200 (benchmarks/NOTES.md, sixth round: 4096 rows ×
+    5 states 13.5 -> 3.5 µs). The config does not depend on ``m``, so a row's bits do not depend on the batch.
+    """
     block_d, block_s = next_pow2(d), min(16, next_pow2(n))
-    block_m = max(1, min(8, 4096 // (block_s * block_d)))
-    return block_m, block_s, 4 if block_m * block_s * block_d >= 2048 else 1
+    return max(1, min(4, 4096 // (block_s * block_d))), block_s, 1
 
 
 # Realistic sm_90 compiles of this file's kernel, checked on the CPU by tests/test_aot.py.
@@ -67,7 +71,7 @@ AOT_SPECS = [
         "kernel": _merge_states_kernel,
         "signature": {"O": "*bf16", "LSE": "*fp32", "SINKS": "*fp32", "O_OUT": "*bf16", "LSE_OUT": "*fp32"},
         "constexprs": {"HEAD_DIM": 128, "BLOCK_M": 2, "BLOCK_S": 16, "BLOCK_D": 128, "HAS_SINKS": sinks},
-        "options": {"num_warps": 4},
+        "options": {"num_warps": 1},
     }
     for sinks in (False, True)
 ]
