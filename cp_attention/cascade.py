@@ -266,10 +266,10 @@ def _cascade_triton(q, work, last, scale, scales, softcap, sinks, fixed_splits, 
     if out is None:
         o = _dispatch.new_buffer(tuple(q.shape), q.dtype, q.device)
         lse = _dispatch.new_buffer(tuple(q.shape[:-1]), torch.float32, q.device)
-        merge_states_into(o_all, lse_all, o.view(rows, d), lse.view(rows), sinks=sinks)
+        merge_states_into(o_all, lse_all, o.view(rows, d), lse.view(rows), sinks=sinks, one_warp=True)
         return AttentionState(o, lse)
     # An fp32 state of [rows, D] and [rows] views (the context-parallel exchange buffer).
-    merge_states_into(o_all, lse_all, out[0], out[1], sinks=sinks)
+    merge_states_into(o_all, lse_all, out[0], out[1], sinks=sinks, one_warp=True)
     return AttentionState(*out)
 
 

@@ -30,17 +30,17 @@ def _merge_states_kernel(
     tl.store(LSE_OUT + (i_m + o_r) * stride_lom, b_lse, mask=m_r)
 
 
-def merge_states_into(o, lse, o_out, lse_out, sinks=None) -> None:
-    """Launch the merge kernel: ``o [N, M, D]`` (unit stride in D), ``lse [N, M]`` float32 natural log,
-    into ``o_out [M, D]`` (any float dtype, unit stride in D) and ``lse_out [M]`` float32 natural log, any
-    strides. Each program merges ``BLOCK_M`` rows, ``BLOCK_S`` states per load. ``sinks [H]`` float32: row
-    ``m`` is query head ``m % H``, whose sink logit joins the merge once. Inputs are validated by the
-    callers (:func:`cp_attention.state.merge_states`, the cascade and context-parallel merges).
+def merge_states_into(o, lse, o_out, lse_out, sinks=None, one_warp=False) -> None:
+    """Launch the merge kernel: ``o [N, M, D]`` (unit stride in D), ``lse [N, M]`` float32 natural log, into
+    ``o_out [M, D]`` (any float dtype, unit stride in D) and ``lse_out [M]`` float32 natural log, any strides.
+    Each program merges ``BLOCK_M`` rows, ``BLOCK_S`` states per load (:func:`merge_config`). ``sinks [H]``
+    float32: row ``m`` is query head ``m % H``, whose sink logit joins the merge once. Inputs are validated
+    by the callers (:func:`cp_attention.state.merge_states`, the cascade and context-parallel merges).
     """
     n, m, d = o.shape
     if m == 0:
         return
-    block_m, block_s, num_warps = merge_config(n, m, d)
+    block_m, block_s, num_warps = merge_config(n, d, one_warp)
     block_d = next_pow2(d)
     has_sinks = sinks is not None
     launch(
@@ -53,16 +53,23 @@ def merge_states_into(o, lse, o_out, lse_out, sinks=None) -> None:
     )
 
 
-def merge_config(n: int, m: int, d: int) -> tuple:
-    """``(BLOCK_M, BLOCK_S, num_warps)`` of the merge of ``n`` states of ``m`` rows of head dim ``d``: up to 16
-    states per load, up to 4 rows per program (4096 values at most), one warp.
+def merge_config(n: int, d: int, one_warp: bool) -> tuple:
+    """``(BLOCK_M, BLOCK_S, num_warps)`` of the merge of ``n`` states of head dim ``d``: up to 16 states per
+    load; independent of the row count, so a row's bits do not depend on the batch.
 
-    One warp keeps the max and the sums over the states in registers; with four (as before) they crossed
-    warps through shared memory, 2.2-3.9x slower on the H200 (benchmarks/NOTES.md, sixth round: 4096 rows ×
-    5 states 13.5 -> 3.5 µs). The config does not depend on ``m``, so a row's bits do not depend on the batch.
+    Default: rows per program up to 8 and 4096 values, four warps from 2048 values: the layout whose bits
+    the symmetric-memory exchange's merge (``ops/symm_merge.py``) reproduces, which the all-gather path of
+    ``merge_across_ranks`` must match bit for bit. ``one_warp``: up to 4 rows per program on one warp, which
+    keeps the max and the sums over the states in registers instead of crossing warps through shared
+    memory: 2.2-3.9x faster on the H200 (benchmarks/NOTES.md, sixth round: 4096 rows × 5 states 13.5 -> 3.5
+    µs), with other roundings (the products and sums over the states contract differently). Used by the
+    merges of cascade levels, which no other path has to reproduce.
     """
     block_d, block_s = next_pow2(d), min(16, next_pow2(n))
-    return max(1, min(4, 4096 // (block_s * block_d))), block_s, 1
+    if one_warp:
+        return max(1, min(4, 4096 // (block_s * block_d))), block_s, 1
+    block_m = max(1, min(8, 4096 // (block_s * block_d)))
+    return block_m, block_s, 4 if block_m * block_s * block_d >= 2048 else 1
 
 
 # Realistic sm_90 compiles of this file's kernel, checked on the CPU by tests/test_aot.py.
@@ -70,8 +77,9 @@ AOT_SPECS = [
     {
         "kernel": _merge_states_kernel,
         "signature": {"O": "*bf16", "LSE": "*fp32", "SINKS": "*fp32", "O_OUT": "*bf16", "LSE_OUT": "*fp32"},
-        "constexprs": {"HEAD_DIM": 128, "BLOCK_M": 2, "BLOCK_S": 16, "BLOCK_D": 128, "HAS_SINKS": sinks},
-        "options": {"num_warps": 1},
+        "constexprs": {"HEAD_DIM": 128, "BLOCK_M": block_m, "BLOCK_S": block_s, "BLOCK_D": 128, "HAS_SINKS": sinks},
+        "options": {"num_warps": warps},
     }
     for sinks in (False, True)
+    for block_m, block_s, warps in ((2, 16, 4), (4, 8, 1))
 ]
