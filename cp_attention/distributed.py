@@ -467,6 +467,8 @@ class CPKVCache:
         if dtype not in FLOAT_DTYPES + FP8_DTYPES:
             raise TypeError(f"dtype must be one of {FLOAT_DTYPES + FP8_DTYPES}, got {dtype}")
         device = torch.device("cpu") if device is None else torch.device(device)
+        if device.type == "cuda" and device.index is None:  # where torch puts tensors made on "cuda"
+            device = torch.device("cuda", torch.cuda.current_device())
         check_kv_scales(k_scale, v_scale, dtype, torch.bfloat16, heads_kv, device)
         self.k_scale, self.v_scale = k_scale, v_scale
         world_size = dist.get_world_size(group) if world_size is None else world_size

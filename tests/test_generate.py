@@ -161,8 +161,10 @@ def test_tokens_match_transformers(checkpoints, runs, kind, world, interpret):
     assert out["tokens"] == ref_tokens
     assert out["world_size"] == world and out["prompt_lens"] == [len(p) for p in PROMPTS]
     assert len(out["decode_step_s"]) == NEW_TOKENS - 1 and out["decode_tokens_per_s"] > 0
-    # The context-parallel prefill's logits at every prompt's last position are transformers' to rounding.
-    torch.testing.assert_close(torch.tensor(out["prefill_logits"]), ref_logits, atol=1e-4, rtol=1e-5)
+    # The context-parallel prefill's logits at every prompt's last position are transformers' to rounding: the
+    # fused q/k/v and gate/up GEMMs and the kernels' float32 sums round in another order (logits up to ~20
+    # here; 1.2e-4 apart on one CPU, within 1e-4 on another).
+    torch.testing.assert_close(torch.tensor(out["prefill_logits"]), ref_logits, atol=5e-4, rtol=1e-5)
 
 
 def test_prefill_across_ranks_equals_one_rank(runs):
