@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from cp_attention._dispatch import next_pow2, use_triton
+from cp_attention._validate import check_unit_stride
 
 ACT_BLOCK = 1024  # gate/up columns per program of the gated activation
 
@@ -85,11 +86,9 @@ def _gated_act_kernel(GU, OUT, n_cols, stride_gu, stride_out, BLOCK: tl.constexp
 
 
 def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
-    """``t [..., n]`` as ``[rows, n]`` without a copy (rows may be strided; the last dim must be contiguous)."""
-    if t.stride(-1) != 1:
-        raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")
-    rows = t.view(-1, t.shape[-1]) if t.dim() != 2 else t
-    return rows
+    """``t [..., n]`` (unit stride in the last dim) as ``[rows, n]``, without a copy."""
+    check_unit_stride(name, t)
+    return t if t.dim() == 2 else t.view(-1, t.shape[-1])
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None,

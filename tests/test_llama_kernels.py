@@ -92,8 +92,7 @@ def test_fused_projections_equal_the_unfused_model(device):
             w[:n_q], w[n_q: n_q + n_kv], w[n_q + n_kv:])
         w = fused.mlp.gate_up_proj.weight
         layer.mlp.gate_proj.weight.data, layer.mlp.up_proj.weight.data = w[: args.intermediate_size], w[args.intermediate_size:]
-        for name in ("o_proj",):
-            getattr(layer.self_attn, name).weight.data = getattr(fused.self_attn, name).weight.data
+        layer.self_attn.o_proj.weight.data = fused.self_attn.o_proj.weight.data
         layer.mlp.down_proj.weight.data = fused.mlp.down_proj.weight.data
         for name in ("input_layernorm", "post_attention_layernorm"):
             getattr(layer, name).weight.data = getattr(fused, name).weight.data
