@@ -268,9 +268,14 @@ def _cascade_triton(q, work, last, scale, scales, softcap, sinks, fixed_splits, 
         lse = _dispatch.new_buffer(tuple(q.shape[:-1]), torch.float32, q.device)
         merge_states_into(o_all, lse_all, o.view(rows, d), lse.view(rows), sinks=sinks, one_warp=True)
         return AttentionState(o, lse)
-    # An fp32 state of [rows, D] and [rows] views (the context-parallel exchange buffer).
-    merge_states_into(o_all, lse_all, out[0], out[1], sinks=sinks, one_warp=True)
-    return AttentionState(*out)
+    # An fp32 state of [rows, D] and [rows] views (the context-parallel exchange buffer), and where the
+    # merge may push it to the exchange's peers (exchange.Push or None)
+    push = out[2] if len(out) > 2 else None
+    merge_states_into(o_all, lse_all, out[0], out[1], sinks=sinks, one_warp=True,
+                      push=push.args if push is not None else None)
+    if push is not None:
+        push.done = True
+    return AttentionState(out[0], out[1])
 
 
 def _tile_table(segment_ids, n_seg, group, block_m, n_tiles):

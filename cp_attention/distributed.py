@@ -272,15 +272,17 @@ def _split_slots(split_size, t_max) -> int:
 
 
 def _exchange(q, local_into, *, group, return_lse, sinks):
-    """``local_into(o_view, lse_view)`` writes this rank's unrounded fp32 state straight into the exchange's
-    buffer; the exchange then merges across the ranks in rank order (bitwise identical on every rank), with
-    the attention sinks joined once. The callers have checked ``return_lse``."""
+    """``local_into(o_view, lse_view, push)`` writes this rank's unrounded fp32 state straight into the
+    exchange's buffer (and may push it to the peers itself: ``push``, an ``exchange.Push`` or ``None``); the
+    exchange then merges across the ranks in rank order (bitwise identical on every rank), with the
+    attention sinks joined once. The callers have checked ``return_lse``."""
     check_tensor("q", q, dtypes=FLOAT_DTYPES)
     d = q.shape[-1]
     exchange = exchange_for(group)
     packed = exchange.packed_buffer(tuple(q.shape[:-1]) + (d + 1,), q.device)
-    local_into(packed[..., :d], packed[..., d])
-    merged = exchange.merge(packed, q.dtype, sinks)
+    push = exchange.push_target(packed)
+    local_into(packed[..., :d], packed[..., d], push)
+    merged = exchange.merge(packed, q.dtype, sinks, push)
     return merged if return_lse else merged.o
 
 
@@ -296,8 +298,8 @@ def _cp_decode(q, k_shard, v_shard, seq_lens_shard, *, group, check_metadata, ro
     sinks = kwargs.pop("sinks", None)
     if kwargs.get("split_size") is not None:
         return _cp_decode_deterministic(q, k_shard, v_shard, seq_lens_shard, group, return_lse, sinks, kwargs)
-    return _exchange(q, lambda o, lse: flash_decode(q, k_shard, v_shard, seq_lens_shard, out=AttentionState(o, lse),
-                                                    _row_limits=row_limits, _span=span, **kwargs),
+    return _exchange(q, lambda o, lse, _: flash_decode(q, k_shard, v_shard, seq_lens_shard, out=AttentionState(o, lse),
+                                                       _row_limits=row_limits, _span=span, **kwargs),
                      group=group, return_lse=return_lse, sinks=sinks)
 
 
@@ -409,7 +411,8 @@ def cp_cascade_decode(q, levels, *, group=None, check_metadata=True, **cascade_k
     return_lse = kwargs.pop("return_lse", False)
     sinks = kwargs.pop("sinks", None)
     d = q.shape[-1]
-    return _exchange(q, lambda o, lse: cascade_decode(q, levels, _out=(o.reshape(-1, d), lse.reshape(-1)), **kwargs),
+    return _exchange(q, lambda o, lse, push: cascade_decode(q, levels, _out=(o.reshape(-1, d), lse.reshape(-1), push),
+                                                            **kwargs),
                      group=group, return_lse=return_lse, sinks=sinks)
 
 

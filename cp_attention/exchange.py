@@ -31,12 +31,22 @@ import torch.distributed as dist
 
 from . import _dispatch
 from .heuristics import use_pdl
-from .ops.symm_merge import buffer_words, symm_merge_into
+from .ops.symm_merge import buffer_words, push_plan, symm_merge_into
 from .state import AttentionState, merge_states
 
 EXCHANGES = ("auto", "symm", "collective")
 # torch >= 2.13 names the one-tensor all-gather all_gather_single; older releases all_gather_into_tensor.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class Push:
+    """Where the kernel that computes a rank's states may also push them to the peers (``ops/symm_merge.py``,
+    the producer's push): ``args = (buf_ptrs, rank, world, exchange_block_m)`` for ``push_rows``. The
+    producer sets ``done`` when it pushed; else the exchange pushes itself."""
+
+    def __init__(self, args):
+        self.args = args
+        self.done = False
 
 
 class CollectiveExchange:
@@ -59,8 +69,13 @@ class CollectiveExchange:
         _all_gather_single(gathered.view(-1), packed.reshape(-1), group=self.group)
         return gathered
 
-    def merge(self, packed, out_dtype, sinks=None) -> AttentionState:
-        """⊕ of every rank's packed states ``[..., D + 1]``: ``o [..., D]`` in ``out_dtype``, ``lse [...]``."""
+    def push_target(self, packed):
+        """A :class:`Push` for the kernel that writes ``packed`` (a :meth:`packed_buffer`), or ``None``."""
+        return None
+
+    def merge(self, packed, out_dtype, sinks=None, push=None) -> AttentionState:
+        """⊕ of every rank's packed states ``[..., D + 1]``: ``o [..., D]`` in ``out_dtype``, ``lse [...]``;
+        ``push``: the :class:`Push` of :meth:`push_target` given to the kernel that wrote ``packed``."""
         gathered = self.gather(packed)
         d = packed.shape[-1] - 1
         return merge_states(gathered[..., :d], gathered[..., d], out_dtype=out_dtype, sinks=sinks)
@@ -111,10 +126,23 @@ class SymmMemExchange(CollectiveExchange):
             slot.fill_(float("nan"))
         return slot
 
-    def merge(self, packed, out_dtype, sinks=None) -> AttentionState:
+    def _entry_of(self, packed):
+        """The buffer entry whose slot ``packed`` is, or ``None`` (not in a symmetric buffer: see the Note)."""
         entry = self._buffers.get((tuple(packed.shape), packed.device.index)) if packed.is_cuda else None
-        if entry is None or packed.data_ptr() != entry[1].data_ptr():
-            return super().merge(packed, out_dtype, sinks)  # not in a symmetric buffer (see the Note)
+        return entry if entry is not None and packed.data_ptr() == entry[1].data_ptr() else None
+
+    def push_target(self, packed):
+        entry = self._entry_of(packed)
+        if entry is None:
+            return None
+        d = packed.shape[-1] - 1
+        block_m = push_plan(math.prod(packed.shape[:-1]), d, self.world)
+        return None if block_m is None else Push((entry[2], self.rank, self.world, block_m))
+
+    def merge(self, packed, out_dtype, sinks=None, push=None) -> AttentionState:
+        entry = self._entry_of(packed)
+        if entry is None:
+            return super().merge(packed, out_dtype, sinks)
         d = packed.shape[-1] - 1
         lead = tuple(packed.shape[:-1])
         m = math.prod(lead)
@@ -122,7 +150,7 @@ class SymmMemExchange(CollectiveExchange):
         lse = _dispatch.new_buffer(lead, torch.float32, packed.device)
         if m:
             symm_merge_into(entry[2], self.rank, self.world, m, d, o.view(m, d), lse.view(m), sinks=sinks,
-                            pdl=use_pdl(packed.device))
+                            pdl=use_pdl(packed.device), pushed=push is not None and push.done)
         return AttentionState(o, lse)
 
 

@@ -262,6 +262,62 @@ def test_symm_exchange_with_ranks_out_of_step(tmp_path):
     _spawn(_symm_skew_worker, str(tmp_path / "init"), "symm")
 
 
+def _symm_push_worker(rank, world, init_file, exchange):
+    dev = _init_nccl(rank, world, init_file, exchange)
+    from cp_attention.distributed import cp_cascade_decode
+
+    g = torch.Generator(dev).manual_seed(3)  # the same levels on every rank, then each rank's shard
+    delays = random.Random(rank)
+    hq, hkv, d, prefix, own, dt = 32, 8, 128, 1001, 37, torch.bfloat16
+    # 4096 and 2048 rows take the bulk protocol with the push in the cascade's level merge; 64 rows do not
+    for b in (128, 64, 2):
+        q = torch.randn(b, hq, d, generator=g, device=dev, dtype=dt)
+        pk, pv = (torch.randn(1, hkv, prefix, d, generator=g, device=dev, dtype=dt) for _ in range(2))
+        ok, ov = (torch.randn(b, hkv, own, d, generator=g, device=dev, dtype=dt) for _ in range(2))
+        lens = torch.randint(0, own + 1, (b,), generator=g, device=dev)
+        sinks = torch.randn(hq, generator=g, device=dev)
+        pks, pvs, p_lens = shard_kv(pk, pv, None, rank, world)
+        oks, ovs, o_lens = shard_kv(ok, ov, lens, rank, world)
+        shards = [CascadeLevel(pks, pvs, p_lens), CascadeLevel(oks, ovs, o_lens)]
+
+        def step():
+            return cp_cascade_decode(q, shards, check_metadata=False, sinks=sinks, return_lse=True)
+
+        set_exchange("collective")
+        want = step()
+        whole = cascade_decode(q, [CascadeLevel(pk, pv), CascadeLevel(ok, ov, lens)], sinks=sinks, return_lse=True)
+        torch.testing.assert_close(want.o.float(), whole.o.float(), atol=2e-2, rtol=2e-2)
+        set_exchange(exchange)
+        state = AttentionState(torch.randn(b, hq, d, generator=g, device=dev), torch.randn(b, hq, generator=g, device=dev))
+        set_exchange("collective")
+        want_merge = merge_across_ranks(state)  # the exchange pushes these itself, into the same buffer
+        set_exchange(exchange)
+        for i in range(200):
+            torch.cuda._sleep(delays.randrange(0, 40000))  # up to ~20 µs on this rank's GPU
+            got = step() if i % 3 else merge_across_ranks(state)
+            ref = want if i % 3 else want_merge
+            assert torch.equal(got.o, ref.o) and torch.equal(got.lse, ref.lse), f"B={b}, call {i}"
+        step()
+        torch.cuda.synchronize(dev)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            out = step()
+        for _ in range(100):
+            graph.replay()
+        assert torch.equal(out.o, want.o) and torch.equal(out.lse, want.lse), f"B={b}, graph"
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+def test_symm_push_in_the_cascade_merge(tmp_path):
+    """cp_cascade_decode of 128 and 64 requests (4096 and 2048 rows: the level merge pushes its states to the
+    peer), interleaved with merge_across_ranks on the same buffer (the exchange pushes) and with the ranks
+    out of step by up to 20 µs, 200 calls, then 100 graph replays: the all-gather path's bits every time."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    _spawn(_symm_push_worker, str(tmp_path / "init"), "symm")
+
+
 def _deterministic_worker(rank, world, init_file, exchange):
     dev = _init_nccl(rank, world, init_file, exchange)
     split = 1024

@@ -1,20 +1,22 @@
 """Triton kernel for ``merge_states``: ⊕ over the leading dim of ``N`` attention states (and, for a final
-merge, the attention sinks)."""
+merge, the attention sinks); it can also push its float32 results to the peers of a symmetric-memory
+exchange (``ops/symm_merge.py``, the producer's push)."""
 import triton
 import triton.language as tl
 
 from .._dispatch import next_pow2
 from ._launch import launch
 from ._state import add_sink, merge_tile
+from .symm_merge import push_rows
 
 
 @triton.jit
 def _merge_states_kernel(
-    O, LSE, SINKS, O_OUT, LSE_OUT,
-    N, M, N_HEADS,
+    O, LSE, SINKS, O_OUT, LSE_OUT, BUF_PTRS,
+    N, M, N_HEADS, rank,
     stride_on, stride_om, stride_ln, stride_lm, stride_oom, stride_lom, stride_sink,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
+    HAS_SINKS: tl.constexpr, WORLD: tl.constexpr, EXCHANGE_BLOCK_M: tl.constexpr,
 ):
     i_m = tl.program_id(0).to(tl.int64) * BLOCK_M
     o_r = tl.arange(0, BLOCK_M)
@@ -28,27 +30,35 @@ def _merge_states_kernel(
     p_out = O_OUT + (i_m + o_r)[:, None] * stride_oom + o_d[None, :]
     tl.store(p_out, b_o.to(O_OUT.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
     tl.store(LSE_OUT + (i_m + o_r) * stride_lom, b_lse, mask=m_r)
+    if EXCHANGE_BLOCK_M > 0:  # the float32 rows to the exchange's peers too (the producer's push)
+        push_rows(BUF_PTRS, rank, M, i_m + o_r, m_r, o_d, m_d, b_o, b_lse, WORLD, HEAD_DIM, EXCHANGE_BLOCK_M)
 
 
-def merge_states_into(o, lse, o_out, lse_out, sinks=None, one_warp=False) -> None:
+def merge_states_into(o, lse, o_out, lse_out, sinks=None, one_warp=False, push=None) -> None:
     """Launch the merge kernel: ``o [N, M, D]`` (unit stride in D), ``lse [N, M]`` float32 natural log, into
     ``o_out [M, D]`` (any float dtype, unit stride in D) and ``lse_out [M]`` float32 natural log, any strides.
     Each program merges ``BLOCK_M`` rows, ``BLOCK_S`` states per load (:func:`merge_config`). ``sinks [H]``
     float32: row ``m`` is query head ``m % H``, whose sink logit joins the merge once. Inputs are validated
     by the callers (:func:`cp_attention.state.merge_states`, the cascade and context-parallel merges).
+    ``push``: ``(buf_ptrs, rank, world, exchange_block_m)`` of a symmetric-memory exchange whose ``own``
+    rows ``o_out``/``lse_out`` are (float32): the results also go to the peers (``push_rows``).
     """
     n, m, d = o.shape
     if m == 0:
         return
     block_m, block_s, num_warps = merge_config(n, d, one_warp)
+    buf_ptrs, rank, world, exchange_block_m = push if push is not None else (lse, 0, 1, 0)
+    if exchange_block_m % block_m:
+        raise ValueError(f"push: exchange programs of {exchange_block_m} rows cannot own whole programs of {block_m}")
     block_d = next_pow2(d)
     has_sinks = sinks is not None
     launch(
         _merge_states_kernel, (-(-m // block_m),),
-        (o, lse, sinks if has_sinks else lse, o_out, lse_out, n, m, sinks.shape[0] if has_sinks else 1,
-         o.stride(0), o.stride(1), lse.stride(0), lse.stride(1), o_out.stride(0), lse_out.stride(0),
+        (o, lse, sinks if has_sinks else lse, o_out, lse_out, buf_ptrs, n, m, sinks.shape[0] if has_sinks else 1,
+         rank, o.stride(0), o.stride(1), lse.stride(0), lse.stride(1), o_out.stride(0), lse_out.stride(0),
          sinks.stride(0) if has_sinks else 0),
-        dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_S=block_s, BLOCK_D=block_d, HAS_SINKS=has_sinks),
+        dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_S=block_s, BLOCK_D=block_d, HAS_SINKS=has_sinks, WORLD=world,
+             EXCHANGE_BLOCK_M=exchange_block_m),
         num_warps=num_warps,
     )
 
@@ -76,10 +86,13 @@ def merge_config(n: int, d: int, one_warp: bool) -> tuple:
 AOT_SPECS = [
     {
         "kernel": _merge_states_kernel,
-        "signature": {"O": "*bf16", "LSE": "*fp32", "SINKS": "*fp32", "O_OUT": "*bf16", "LSE_OUT": "*fp32"},
-        "constexprs": {"HEAD_DIM": 128, "BLOCK_M": block_m, "BLOCK_S": block_s, "BLOCK_D": 128, "HAS_SINKS": sinks},
+        "signature": {"O": "*bf16", "LSE": "*fp32", "SINKS": "*fp32", "O_OUT": "*bf16", "LSE_OUT": "*fp32",
+                      "BUF_PTRS": "*i64"},
+        "constexprs": {"HEAD_DIM": 128, "BLOCK_M": block_m, "BLOCK_S": block_s, "BLOCK_D": 128, "HAS_SINKS": sinks,
+                       "WORLD": world, "EXCHANGE_BLOCK_M": exchange_block_m},
         "options": {"num_warps": warps},
     }
     for sinks in (False, True)
-    for block_m, block_s, warps in ((2, 16, 4), (4, 8, 1))
+    for block_m, block_s, warps, world, exchange_block_m in ((2, 16, 4, 1, 0), (4, 8, 1, 1, 0), (4, 8, 1, 2, 16),
+                                                              (2, 16, 1, 4, 8))
 ]
