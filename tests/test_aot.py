@@ -52,40 +52,33 @@ def test_split_kv_streams_16_byte_copies_into_tensor_cores(report):
 
 def test_symm_merge_protocols(report):
     """Note [Symmetric-memory merge]. Flagged words: one relaxed system-scope 8-byte store per value, volatile
-    polls, and no fence or system-scope atomic on the path. Bulk: float32 stores, a barrier, then one
-    system-scope fence and the flag's relaxed system-scope store by thread 0, acquire polls before the first
-    load of the peers' rows, which bypass L1. Pushed by the producer: no store to a peer, no fence, acquire
-    polls of the row flags, a barrier, then the loads. The producer (the merge kernel with a push): its
-    stores, a barrier, a system-scope fence, then the row flags' relaxed system-scope stores."""
+    polls, and no fence or system-scope atomic on the path. Bulk: float32 stores (none when the producer
+    pushed), a barrier, then one system-scope fence and the flag's relaxed system-scope store by thread 0,
+    acquire polls before the first load of the peers' rows, which bypass L1. The producer (the merge kernel
+    with a push): plain stores, no fence and nothing at system scope."""
     specs = [s for s in report["specs"] if s["kernel"] == "_symm_merge_kernel"]
     assert {(s["constexprs"]["BULK"], s["constexprs"]["PUSHED"]) for s in specs} == {(False, False), (True, False),
-                                                                                    (False, True)}
+                                                                                    (True, True)}
     for s in specs:
         ptx = s["ptx"]
         assert "griddepcontrol.wait" in ptx, s["id"]
         assert "atom" not in ptx and "st.release" not in ptx, s["id"]
-        if s["constexprs"]["PUSHED"]:
-            assert "st.relaxed" not in ptx and "fence" not in ptx and "ld.volatile.global.b64" not in ptx, s["id"]
-            polls = ptx.rindex("ld.acquire.sys")
-            assert polls < ptx.index("bar.sync", polls) < ptx.index("ld.global.cg"), s["id"]
-            continue
         if not s["constexprs"]["BULK"]:
             assert "st.relaxed.sys.global.b64" in ptx and "ld.volatile.global" in ptx, s["id"]
             assert "fence" not in ptx and "membar" not in ptx, s["id"]
             continue
         assert "ld.volatile.global.b64" not in ptx and ptx.count("fence.acq_rel.sys") == 1, s["id"]
         fence, flag = ptx.index("fence.acq_rel.sys"), ptx.index("st.relaxed.sys.global.b32")
-        assert ptx.rindex("st.global", 0, fence) < ptx.rindex("bar.sync", 0, fence) < fence < flag, s["id"]
-        assert ptx.count("st.relaxed.sys") == ptx.count("ld.acquire.sys") == s["constexprs"]["WORLD"], s["id"]
+        assert ptx.rindex("bar.sync", 0, fence) < fence < flag, s["id"]
+        stores_before = ptx.count("st.global", 0, fence)
+        assert (stores_before == 0) if s["constexprs"]["PUSHED"] else stores_before > 0, s["id"]
+        # one flag store per rank (the rank's own is skipped at run time); the compiler may copy a poll
+        assert ptx.count("st.relaxed.sys") == s["constexprs"]["WORLD"] <= ptx.count("ld.acquire.sys"), s["id"]
         assert ptx.rindex("ld.acquire.sys") < ptx.index("ld.global.cg"), s["id"]
     producers = [s for s in report["specs"] if s["kernel"] == "_merge_states_kernel"]
     assert {s["constexprs"]["EXCHANGE_BLOCK_M"] > 0 for s in producers} == {False, True}
+    plain = min(s["ptx"].count("st.global") for s in producers)
     for s in producers:
-        ptx = s["ptx"]
-        if not s["constexprs"]["EXCHANGE_BLOCK_M"]:
-            assert "fence" not in ptx and ".sys" not in ptx, s["id"]
-            continue
-        fence = ptx.index("fence.acq_rel.sys")
-        assert ptx.count("fence.acq_rel.sys") == 1 and "st.release" not in ptx, s["id"]
-        assert ptx.rindex("st.global", 0, fence) < ptx.rindex("bar.sync", 0, fence) < fence, s["id"]
-        assert fence < ptx.index("st.relaxed.sys.global.b32"), s["id"]
+        assert "fence" not in s["ptx"] and ".sys" not in s["ptx"], s["id"]
+        if s["constexprs"]["EXCHANGE_BLOCK_M"]:  # the rows again, to each peer
+            assert s["ptx"].count("st.global") > plain, s["id"]
