@@ -50,6 +50,23 @@ def test_split_kv_streams_16_byte_copies_into_tensor_cores(report):
             assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents"), s["id"]
 
 
+def test_paged_tables_in_registers_keep_the_dense_pipeline(report):
+    """Note [Paged tiles from registers]: with a split's block-table entries in registers the paged loop
+    holds the dense loop's K/V stages in shared memory (same tile and stages); with the table read inside
+    the loop the pipeliner keeps fewer (the reason for the registers)."""
+    def shared(**match):
+        found = [s["shared"] for s in report["specs"] if s["kernel"] == "_split_kv_kernel"
+                 and all(s["constexprs"][k] == v for k, v in match.items())]
+        assert found, match
+        return found[0]
+
+    dense = shared(IS_PAGED=False, BLOCK_N=128, KV_SCALE=0, Q_ROWS=1, HAS_WINDOW=False, HEAD_DIM=128)
+    assert shared(IS_PAGED=True, PAGE_SIZE=16, BLOCK_N=128, SPLIT_PAGES=128) == dense
+    assert shared(IS_PAGED=True, PAGE_SIZE=256, BLOCK_N=128, SPLIT_PAGES=16) == dense
+    dense64 = shared(IS_PAGED=False, BLOCK_N=64, KV_SCALE=0, Q_ROWS=1, HEAD_DIM=128)
+    assert shared(IS_PAGED=True, PAGE_SIZE=16, BLOCK_N=64, SPLIT_PAGES=0, Q_ROWS=1) < dense64
+
+
 def test_symm_merge_protocols(report):
     """Note [Symmetric-memory merge]. Flagged words: one relaxed system-scope 8-byte store per value, volatile
     polls, and no fence or system-scope atomic on the path. Bulk: float32 stores (none when the producer

@@ -70,6 +70,21 @@ def test_paged_decode_plan_fills_four_programs_per_sm():
     assert decode_plan(64, 8, 8192, 128, torch.bfloat16, 132, page_size=16).num_splits == 1
 
 
+def test_paged_plan_takes_the_dense_plan_with_the_table_in_registers():
+    """Note [Paged tiles from registers]: where a split of the dense plan touches at most 128 block-table
+    entries (a power-of-two page of 16 or more, splits that start on a tile), the paged cache gets the dense
+    plan and reads the entries into registers; else the paged plan, with the table in the loop."""
+    dense = decode_plan(1, 8, 131072, 128, torch.bfloat16, 132)
+    plan = decode_plan(1, 8, 131072, 128, torch.bfloat16, 132, page_size=64)  # 8192 keys a split: 128 pages
+    assert plan == dense._replace(split_pages=128)
+    assert decode_plan(16, 8, 2048, 128, torch.bfloat16, 132, page_size=16).split_pages == 128
+    assert decode_plan(16, 8, 2048, 128, torch.bfloat16, 132, page_size=256).split_pages == 16  # 8, + 1 mid-page
+    for page in (1, 5, 24):  # not a power of two of 16 or more
+        assert decode_plan(16, 8, 2048, 128, torch.bfloat16, 132, page_size=page).split_pages == 0
+    assert decode_plan(1, 8, 131072, 128, torch.bfloat16, 132, page_size=16).split_pages == 0  # 512 entries
+    assert decode_plan(1, 8, 131072, 128, torch.bfloat16, 132, page_size=64, aligned=False).split_pages == 0
+
+
 def test_head_dim_64_plan():
     """Head dim 64 at B=1 T=128k: 256-key tiles, one program per SM, 16 splits (the sweep's best)."""
     plan = decode_plan(1, 8, 131072, 64, torch.bfloat16, 132)

@@ -84,6 +84,24 @@ def test_paged_equals_dense(b, hq, hkv, d, t, lens, page, layout, splits):
     torch.testing.assert_close(got.o, dense.o, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("page, layout", [(16, "NHD"), (64, "HND"), (32, "NHD")])
+def test_table_in_registers_equals_table_in_the_loop(page, layout):
+    # Note [Paged tiles from registers]: the same plan with the split's entries read before the loop
+    # (split_pages) and with one entry per key inside it gives the same bits; tiles of 64 keys span
+    # pages of 16 and 32 and lie inside pages of 64; a ragged last split, a length ending mid-page.
+    from cp_attention.heuristics import DecodeConfig, decode_plan, table_pages
+
+    q, k, v, sl = dense_cache(3, 8, 2, 283, 32, [283, 70, 1], q_rows=None, seed=page)
+    kp, vp, table = page_pool(k, v, sl, page, layout, seed=page)
+    plan = decode_plan(3, 2, 283, 32, torch.float32, 132, 2, DecodeConfig(64, 4, 2))
+    regs = plan._replace(split_pages=table_pages(plan, page))  # 192 keys a split: 12, 6 or 3 (+1) pages
+    assert regs.split_pages == {16: 16, 32: 8, 64: 4}[page]
+    want = check(q, kp, vp, sl, block_table=table, kv_layout=layout, plan=plan)
+    got = check(q, kp, vp, sl, block_table=table, kv_layout=layout, plan=regs)
+    assert torch.equal(got.o, want.o) and torch.equal(got.lse, want.lse)
+    assert_state_matches(got, attention(q.double(), k.double(), v.double(), sl), torch.float32)
+
+
 def test_paged_bf16_and_the_torch_path(monkeypatch):
     q, k, v, sl = dense_cache(2, 8, 2, 100, 64, [100, 33], q_rows=None, dtype=torch.bfloat16, seed=3)
     kp, vp, table = page_pool(k, v, sl, 16, "NHD", seed=3)

@@ -75,6 +75,7 @@ from ._state import (add_sink, attend_tiles, fp16_query, kv_bases, merge_tile, s
 from .._dispatch import next_pow2
 
 
+
 @triton.jit
 def row_heads(o_r, i_h64, GROUP_SIZE: tl.constexpr, Q_ROWS: tl.constexpr):
     """Query row ``o_r`` of KV head ``i_h64`` -> (new token, query head), int64: row ``r`` is token
@@ -99,7 +100,8 @@ def _split_kv_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_SEQ_LENS: tl.constexpr, IS_PAGED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_ROW_LIMITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, KV_SCALE: tl.constexpr,
-    EXPORT: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+    EXPORT: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT_PAGES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     if PDL:  # Note [Programmatic dependent launch]: nothing is read before the previous kernel is done
         gdc_wait()
@@ -151,7 +153,7 @@ def _split_kv_kernel(
     b_o, b_lse = attend_tiles(b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt, BLOCK_TABLE + i_b64 * stride_btb,
                               stride_btp, stride_kb, stride_vb, NUM_PAGES, t_start, t_end, qk_scale, cap, o_d, m_d,
                               BLOCK_H, BLOCK_N, BLOCK_D, PAGE_SIZE, IS_PAGED, HAS_WINDOW or HAS_ROW_LIMITS,
-                              IS_CAUSAL or HAS_ROW_LIMITS, SOFTCAP, INPUT_PRECISION, UPCAST)
+                              IS_CAUSAL or HAS_ROW_LIMITS, SOFTCAP, INPUT_PRECISION, UPCAST, SPLIT_PAGES)
     if PDL:  # the K/V reads are done: the next kernel may start its launch
         gdc_launch_dependents()
     if KV_SCALE != 0:
@@ -266,7 +268,8 @@ def split_kv_launch_config(dtype, group: int, q_rows: int, head_dim: int, plan, 
                       BLOCK_H=tiling.block_h, BLOCK_N=plan.config.block_n, BLOCK_D=next_pow2(head_dim),
                       HAS_SEQ_LENS=has_seq_lens, IS_PAGED=page_size > 0, IS_CAUSAL=causal, HAS_ROW_LIMITS=row_limits,
                       HAS_WINDOW=window, SOFTCAP=softcap, HAS_SINKS=sinks and not export, KV_SCALE=kv_scale,
-                      EXPORT=export, **dot_flags(dtype), PDL=pdl)
+                      EXPORT=export, **dot_flags(dtype),
+                      SPLIT_PAGES=0 if window or row_limits or not page_size else plan.split_pages, PDL=pdl)
     return constexprs, pdl_options(pdl, num_warps=plan.config.num_warps, num_stages=plan.config.num_stages), tiling
 
 
@@ -291,7 +294,7 @@ def export_floats(batch: int, hkv: int, tiling: RowTiling, head_dim: int, num_sp
 
 
 def _aot_spec(group, q_rows, export, page_size=0, causal=False, row_limits=False, block_n=128, kv="bf16",
-              kv_scale=0, window=False, softcap=False, sinks=False, head_dim=128):
+              kv_scale=0, window=False, softcap=False, sinks=False, head_dim=128, split_pages=0):
     tiling = row_tiling(q_rows, group)
     return {
         "kernel": _split_kv_kernel,
@@ -303,7 +306,7 @@ def _aot_spec(group, q_rows, export, page_size=0, causal=False, row_limits=False
                            BLOCK_H=tiling.block_h, BLOCK_N=block_n, BLOCK_D=head_dim, HAS_SEQ_LENS=True,
                            IS_PAGED=page_size > 0, IS_CAUSAL=causal, HAS_ROW_LIMITS=row_limits,
                            HAS_WINDOW=window, SOFTCAP=softcap, HAS_SINKS=sinks and not export, KV_SCALE=kv_scale,
-                           EXPORT=export, INPUT_PRECISION="tf32", UPCAST=False, PDL=True),
+                           EXPORT=export, INPUT_PRECISION="tf32", UPCAST=False, SPLIT_PAGES=split_pages, PDL=True),
         "options": {"num_warps": 4, "num_stages": 3, "launch_pdl": True},
     }
 
@@ -312,7 +315,8 @@ def _aot_spec(group, q_rows, export, page_size=0, causal=False, row_limits=False
 # (GQA 4 split, GQA 5, GQA 8 split), paged (page 16 and page 64), 4 causal rows, 16 rows x GQA 8 with
 # row limits (two row tiles), FP8 caches (e4m3 with scalar scales; e5m2 paged with per-head scales), and the
 # variants: a window with sinks (split and not), a softcap on 4 causal rows, 64-key tiles split, head dim 64
-# in 256-key tiles; and the combine, with the policy's split count and with the deterministic splits.
+# in 256-key tiles; paged tables in registers (pages of 16 and 256, FP8 pages of 64 with 4 causal rows);
+# and the combine, with the policy's split count and with the deterministic splits.
 AOT_SPECS = [_aot_spec(4, 1, True), _aot_spec(5, 1, False), _aot_spec(8, 1, True),
              _aot_spec(4, 1, True, page_size=16, block_n=64), _aot_spec(4, 1, False, page_size=64, block_n=64),
              _aot_spec(4, 4, True, causal=True), _aot_spec(8, 16, True, page_size=16, row_limits=True, block_n=64),
@@ -320,7 +324,9 @@ AOT_SPECS = [_aot_spec(4, 1, True), _aot_spec(5, 1, False), _aot_spec(8, 1, True
              _aot_spec(4, 4, False, page_size=64, causal=True, kv="fp8e5", kv_scale=2, block_n=64),
              _aot_spec(4, 1, True, window=True, sinks=True), _aot_spec(4, 1, False, window=True, sinks=True),
              _aot_spec(4, 4, True, causal=True, softcap=True), _aot_spec(4, 1, True, block_n=64),
-             _aot_spec(4, 1, True, block_n=256, head_dim=64)] + [
+             _aot_spec(4, 1, True, block_n=256, head_dim=64),
+             _aot_spec(4, 1, True, page_size=16, split_pages=128), _aot_spec(4, 1, False, page_size=256, split_pages=16),
+             _aot_spec(4, 4, True, page_size=64, causal=True, kv="fp8e4nv", kv_scale=2, split_pages=32)] + [
     {"kernel": _combine_kernel, "signature": {"WORK": "*fp32", "SINKS": "*fp32", "O": "*bf16", "LSE": "*fp32"},
      "constexprs": cfg[0], "options": cfg[1]}
     for cfg in (combine_launch_config(4, 1, 128, True, 16, pdl=True),
