@@ -271,16 +271,17 @@ def _split_slots(split_size, t_max) -> int:
     return t_max // split_size
 
 
-def _exchange(q, local_into, *, group, return_lse, sinks):
+def _exchange(q, local_into, *, group, return_lse, sinks, pushes=False):
     """``local_into(o_view, lse_view, push)`` writes this rank's unrounded fp32 state straight into the
-    exchange's buffer (and may push it to the peers itself: ``push``, an ``exchange.Push`` or ``None``); the
-    exchange then merges across the ranks in rank order (bitwise identical on every rank), with the
-    attention sinks joined once. The callers have checked ``return_lse``."""
+    exchange's buffer (and, for a caller that ``pushes``, may push it to the peers itself: ``push``, an
+    ``exchange.Push`` or ``None``); the exchange then merges across the ranks in rank order (bitwise
+    identical on every rank), with the attention sinks joined once. The callers have checked
+    ``return_lse``."""
     check_tensor("q", q, dtypes=FLOAT_DTYPES)
     d = q.shape[-1]
     exchange = exchange_for(group)
     packed = exchange.packed_buffer(tuple(q.shape[:-1]) + (d + 1,), q.device)
-    push = exchange.push_target(packed)
+    push = exchange.push_target(packed) if pushes else None
     local_into(packed[..., :d], packed[..., d], push)
     merged = exchange.merge(packed, q.dtype, sinks, push)
     return merged if return_lse else merged.o
@@ -413,7 +414,7 @@ def cp_cascade_decode(q, levels, *, group=None, check_metadata=True, **cascade_k
     d = q.shape[-1]
     return _exchange(q, lambda o, lse, push: cascade_decode(q, levels, _out=(o.reshape(-1, d), lse.reshape(-1), push),
                                                             **kwargs),
-                     group=group, return_lse=return_lse, sinks=sinks)
+                     group=group, return_lse=return_lse, sinks=sinks, pushes=True)
 
 
 class CPKVCache:

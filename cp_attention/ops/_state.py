@@ -158,11 +158,11 @@ def fp16_query(b_q, qk_scale, KV_SCALE: tl.constexpr):
 
 
 @triton.jit
-def pages_of(p_bt, stride_btp, o_t, m_t, num_pages, PAGE_SIZE: tl.constexpr):
-    """The pages of the keys ``o_t`` (int64), read from the block-table row ``p_bt`` where ``m_t`` and
-    clamped into the pool ``[0, num_pages)``."""
-    page = tl.load(p_bt + (o_t // PAGE_SIZE) * stride_btp, mask=m_t, other=0)
-    return tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
+def table_entries(p_bt, stride_btp, i_pg, mask, num_pages):
+    """Entries ``i_pg`` of the block-table row ``p_bt`` where ``mask`` (else 0), clamped into the pool
+    ``[0, num_pages)``."""
+    page = tl.load(p_bt + i_pg * stride_btp, mask=mask, other=0)
+    return tl.minimum(tl.maximum(page, 0), num_pages - 1)
 
 
 @triton.jit
@@ -190,8 +190,7 @@ def attend_tiles(b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt, p_bt, stri
     if SPLIT_PAGES > 0:
         o_pg = tl.arange(0, SPLIT_PAGES)
         pg0 = t_start // PAGE_SIZE
-        pages = tl.load(p_bt + (pg0 + o_pg) * stride_btp, mask=o_pg < (t_end - 1) // PAGE_SIZE - pg0 + 1, other=0)
-        pages = tl.minimum(tl.maximum(pages, 0), num_pages - 1)
+        pages = table_entries(p_bt, stride_btp, pg0 + o_pg, o_pg < (t_end - 1) // PAGE_SIZE - pg0 + 1, num_pages)
     else:
         pg0 = 0
         pages = tl.zeros([1], tl.int32)
@@ -234,19 +233,16 @@ def attend_tile(m_i, l_i, r_i, acc, b_q, row_lo, row_hi, p_k, p_v, stride_kt, st
         if BLOCK_N <= PAGE_SIZE:  # one page (tl.sum of one nonzero entry: exact)
             page = tl.sum(tl.where(o_pg == i_pg, pages, 0), 0).to(tl.int64)
             slot = (t0 % PAGE_SIZE + tl.arange(0, BLOCK_N)).to(tl.int64)
-            o_k = page * stride_kp + slot * stride_kt
-            o_v = page * stride_vp + slot * stride_vt
         else:  # BLOCK_N // PAGE_SIZE pages: theirs first, then each key's
             o_j = tl.arange(0, BLOCK_N // PAGE_SIZE)
             sub = tl.sum(tl.where(o_pg[None, :] == (i_pg + o_j)[:, None], pages[None, :], 0), 1)
             o_kk = tl.arange(0, BLOCK_N)
             page = tl.sum(tl.where((o_kk // PAGE_SIZE)[:, None] == o_j[None, :], sub[None, :], 0), 1).to(tl.int64)
             slot = (o_kk % PAGE_SIZE).to(tl.int64)
-            o_k = page * stride_kp + slot * stride_kt
-            o_v = page * stride_vp + slot * stride_vt
     elif IS_PAGED:
-        page = pages_of(p_bt, stride_btp, o_t, m_t, num_pages, PAGE_SIZE)
+        page = table_entries(p_bt, stride_btp, o_t // PAGE_SIZE, m_t, num_pages).to(tl.int64)
         slot = (o_t % PAGE_SIZE).to(tl.int64)
+    if IS_PAGED:
         o_k = page * stride_kp + slot * stride_kt
         o_v = page * stride_vp + slot * stride_vt
     else:

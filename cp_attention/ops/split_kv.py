@@ -75,7 +75,6 @@ from ._state import (add_sink, attend_tiles, fp16_query, kv_bases, merge_tile, s
 from .._dispatch import next_pow2
 
 
-
 @triton.jit
 def row_heads(o_r, i_h64, GROUP_SIZE: tl.constexpr, Q_ROWS: tl.constexpr):
     """Query row ``o_r`` of KV head ``i_h64`` -> (new token, query head), int64: row ``r`` is token

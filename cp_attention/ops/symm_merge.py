@@ -112,6 +112,20 @@ def _layout(M, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
+def _call(p_epoch, slot, WORLD: tl.constexpr):
+    """``(e, half)``: the call ``e`` of the program whose epoch is at ``p_epoch`` and the offset (64-bit words)
+    of half ``e % 2`` of ``recv``."""
+    e = tl.load(p_epoch, volatile=True) + 1
+    return e, (e & 1).to(tl.int64) * WORLD * slot
+
+
+@triton.jit
+def _slot_of(BUF_PTRS, r, own_words, half, rank, slot):
+    """Slot ``rank`` of the current half of rank ``r``'s ``recv`` (64-bit words)."""
+    return _recv(_peer(BUF_PTRS, r), own_words) + half + rank * slot
+
+
+@triton.jit
 def push_rows(BUF_PTRS, rank, M, rows, m_r, o_d, m_d, b_o, b_lse,
               WORLD: tl.constexpr, HEAD_DIM: tl.constexpr, EXCHANGE_BLOCK_M: tl.constexpr):
     """The producer's push (Note [Symmetric-memory merge]): this program's states ``b_o [R, BLOCK_D]``,
@@ -120,12 +134,11 @@ def push_rows(BUF_PTRS, rank, M, rows, m_r, o_d, m_d, b_o, b_lse,
     exchange kernel publishes them."""
     ROW: tl.constexpr = HEAD_DIM + 1
     own_words, slot = _layout(M, HEAD_DIM)
-    p_mine = _peer(BUF_PTRS, rank)
-    e = tl.load(_epochs(p_mine, own_words, slot, WORLD) + tl.min(rows, 0) // EXCHANGE_BLOCK_M, volatile=True) + 1
-    half = (e & 1).to(tl.int64) * WORLD * slot
+    e, half = _call(_epochs(_peer(BUF_PTRS, rank), own_words, slot, WORLD) + tl.min(rows, 0) // EXCHANGE_BLOCK_M,
+                    slot, WORLD)
     for r in tl.static_range(WORLD):
         if r != rank:
-            p_slot = (_recv(_peer(BUF_PTRS, r), own_words) + half + rank * slot).to(tl.pointer_type(tl.float32))
+            p_slot = _slot_of(BUF_PTRS, r, own_words, half, rank, slot).to(tl.pointer_type(tl.float32))
             tl.store(p_slot + rows[:, None] * ROW + o_d[None, :], b_o, mask=m_r[:, None] & m_d[None, :])
             tl.store(p_slot + rows * ROW + HEAD_DIM, b_lse, mask=m_r)
 
@@ -198,8 +211,7 @@ def _symm_merge_kernel(
     own_words, slot = _layout(M, HEAD_DIM)
     p_mine = _peer(BUF_PTRS, rank)
     p_epoch = _epochs(p_mine, own_words, slot, WORLD) + i_p
-    e = tl.load(p_epoch, volatile=True) + 1
-    half = (e & 1).to(tl.int64) * WORLD * slot
+    e, half = _call(p_epoch, slot, WORLD)
     o_f = tl.arange(0, BLOCK_F)
     m_f = o_f < n_rows * ROW
     o_s = tl.arange(0, BLOCK_S)
@@ -215,8 +227,8 @@ def _symm_merge_kernel(
             b_x = tl.load(p_mine + i_m * ROW + o_f, mask=m_f)
             for r in tl.static_range(WORLD):
                 if r != rank:
-                    p_recv = _recv(_peer(BUF_PTRS, r), own_words) + half + rank * slot
-                    tl.store(p_recv.to(tl.pointer_type(tl.float32)) + i_m * ROW + o_f, b_x, mask=m_f)
+                    p_recv = _slot_of(BUF_PTRS, r, own_words, half, rank, slot).to(tl.pointer_type(tl.float32))
+                    tl.store(p_recv + i_m * ROW + o_f, b_x, mask=m_f)
         # then flag e: one fence, cumulative over this program's stores (the barrier ordered them before it)
         # and over the producer's (its grid is done), and relaxed flag stores
         tl.debug_barrier()
@@ -228,7 +240,6 @@ def _symm_merge_kernel(
         for r in tl.static_range(WORLD):
             if r != rank:
                 _acquire_flag(p_epoch + n_p + r * n_p, e)
-    if BULK:
         # the W slots (this rank's own rows from `own`) past L1: the peers' came over NVLink
         p_slots = tl.where(o_s == rank, p_mine, p_half.to(tl.pointer_type(tl.float32)) + o_s.to(tl.int64) * 2 * slot)
         p_rows = p_slots[:, None] + (i_m + o_r)[None, :] * ROW
@@ -239,7 +250,7 @@ def _symm_merge_kernel(
         bits = tl.load(p_mine + i_m * ROW + o_f, mask=m_f).to(tl.int32, bitcast=True)
         words = (e.to(tl.int64) << 32) | (bits.to(tl.int64) & 0xFFFFFFFF)
         for r in tl.static_range(WORLD):
-            _store_sys(_recv(_peer(BUF_PTRS, r), own_words) + half + rank * slot + i_m * ROW + o_f, words, m_f)
+            _store_sys(_slot_of(BUF_PTRS, r, own_words, half, rank, slot) + i_m * ROW + o_f, words, m_f)
         # 2. the W slots of this rank's half, until every word carries flag e
         p_rows = p_half + o_s[:, None] * slot + (i_m + o_r)[None, :] * ROW
         p_o = p_rows[:, :, None] + o_d[None, None, :]
@@ -290,8 +301,8 @@ def symm_merge_into(buf_ptrs, rank, world, m, d, o_out, lse_out, sinks=None, pdl
     log; ``sinks [H]`` float32 join once (row ``m`` is head ``m % H``). Every rank of the group must launch
     it with the same ``m``, ``d`` and ``world``; callers validate. ``M >=`` :data:`BULK_MIN_ROWS` takes the
     bulk protocol, fewer rows the flagged words; ``pushed``: the kernel before it stored the states into
-    the peers with :func:`push_rows` (bulk only; it must be the last kernel before this one). ``pdl``: launched with programmatic dependent launch (compute capability
-    9.0 or more).
+    the peers with :func:`push_rows` (bulk only; it must be the last kernel before this one). ``pdl``:
+    launched with programmatic dependent launch (compute capability 9.0 or more).
     """
     programs, block_m = symm_plan(m, d, world)
     has_sinks = sinks is not None
