@@ -443,6 +443,9 @@ def main(argv=None):
                           f"context={res.get('synthetic_context') or max(res['prompt_lens'])} "
                           f"new={args.new_tokens}: prefill {'skipped' if prefill_s is None else f'{prefill_s:.3f} s'}, "
                           f"decode {'n/a' if rate is None else f'{rate:.1f} tokens/s'} -> {args.output}", flush=True)
+        # Every rank tears gloo down together: a rank that destroyed its group while rank 0 was still writing
+        # aborted ("terminate called without an active exception") about once in ten CPU runs.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
