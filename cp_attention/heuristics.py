@@ -128,6 +128,9 @@ class DecodePlan(NamedTuple):
 # the H200 at 128 (pages of 16 and 64 as fast as the dense cache, or within 1.1%); at 512 pages of 16 the
 # pick of a tile's pages costs more than the table loads it saves (B=64 T=8k: 526 µs against 477).
 MAX_SPLIT_PAGES = 128
+# Where the dense plan's splits hold more entries, splits capped at MAX_SPLIT_PAGES entries are planned when
+# they still hold at least this many tiles (pages of 64 or more with 128-key tiles).
+MIN_CAPPED_TILES = 64
 
 
 def table_pages(plan: DecodePlan, page_size: int) -> int:
@@ -176,7 +179,7 @@ def deterministic_plan(t_max: int, head_dim: int, dtype: torch.dtype, split_size
     Independent of the batch and the device, so a request's output is too.
 
     >>> deterministic_plan(100_000, 128, torch.bfloat16, 4096)
-    DecodePlan(config=DecodeConfig(block_n=128, num_warps=4, num_stages=3, programs=0), num_splits=25, tiles_per_split=32, deterministic=True)
+    DecodePlan(config=DecodeConfig(block_n=128, num_warps=4, num_stages=3, programs=0), num_splits=25, tiles_per_split=32, deterministic=True, split_pages=0)
     """
     config = decode_config(head_dim, dtype)
     block_n = config.block_n
@@ -202,15 +205,24 @@ def decode_plan(batch: int, num_kv_heads: int, t_max: int, head_dim: int, dtype:
     ``kv_dtype`` (default ``dtype``; an FP8 cache takes half). ``page_size`` > 0: the cache is read
     through a block table of pages of that size: the dense cache's plan with the table in registers where a
     split's entries fit (:func:`table_pages`; ``aligned``: the splits start on a tile, i.e. no window and no
-    row limits), else :func:`decode_config`'s paged config, one table entry per key.
+    row limits), for pages of 64 or more with its splits capped to fit where they do not
+    (:data:`MIN_CAPPED_TILES`), else :func:`decode_config`'s paged config, one table entry per key.
 
     >>> decode_plan(1, 8, 131072, 128, torch.bfloat16, 132).num_splits
     16
     >>> decode_plan(1, 8, 131072, 128, torch.bfloat16, 132, page_size=64).split_pages
     128
+    >>> decode_plan(16, 8, 131072, 128, torch.bfloat16, 132, page_size=64)[1:]  # one split of 1024 tiles, capped
+    (16, 64, False, 128)
     """
     if page_size and aligned and config is None:
         dense = decode_plan(batch, num_kv_heads, t_max, head_dim, dtype, num_sms, splits, None, kv_dtype)
+        block_n = dense.config.block_n
+        capped = (MAX_SPLIT_PAGES - (page_size > block_n)) * page_size // block_n  # a mid-page start: one more
+        if not table_pages(dense, page_size) and capped >= MIN_CAPPED_TILES and splits is None:
+            n_blocks = max(1, math.ceil(t_max / block_n))
+            n_splits = math.ceil(n_blocks / capped)
+            dense = dense._replace(num_splits=n_splits, tiles_per_split=math.ceil(n_blocks / n_splits))
         pages = table_pages(dense, page_size)
         if pages:
             return dense._replace(split_pages=pages)

@@ -83,6 +83,12 @@ def test_paged_plan_takes_the_dense_plan_with_the_table_in_registers():
         assert decode_plan(16, 8, 2048, 128, torch.bfloat16, 132, page_size=page).split_pages == 0
     assert decode_plan(1, 8, 131072, 128, torch.bfloat16, 132, page_size=16).split_pages == 0  # 512 entries
     assert decode_plan(1, 8, 131072, 128, torch.bfloat16, 132, page_size=64, aligned=False).split_pages == 0
+    # splits capped to fit, for pages of 64 or more (64 tiles a split at least): 1024 tiles -> 16 x 64
+    big = decode_plan(16, 8, 131072, 128, torch.bfloat16, 132, page_size=64)
+    assert (big.num_splits, big.tiles_per_split, big.split_pages) == (16, 64, 128)
+    assert decode_plan(16, 8, 131072, 128, torch.bfloat16, 132, page_size=256)[1:] == (5, 205, False, 128)
+    assert decode_plan(16, 8, 131072, 128, torch.bfloat16, 132, page_size=32).split_pages == 0  # 32 tiles: no
+    assert decode_plan(16, 8, 131072, 128, torch.bfloat16, 132, page_size=64, splits=2).split_pages == 0
 
 
 def test_head_dim_64_plan():

@@ -43,11 +43,15 @@ for 64-key tiles, 139.5 KB for 128-key ones), which the paged plan made up for w
 and 64-key tiles, 3-4% slower than the dense cache at B=1 T=128k and 7-16% at B=4-16 T=2k-8k on the
 H200. When the page size is a power of two of 16 or more and the splits start on a tile, the entries of
 a split (``SPLIT_PAGES`` at most, :data:`cp_attention.heuristics.MAX_SPLIT_PAGES`) are loaded once, before
-the loop, and a tile's pages are picked from those registers by arithmetic (a ``where`` and a sum of one
-nonzero entry: exact): the loop is the dense loop, with the dense plan (sm_90 compile: 139.5 KB, the
-dense ``cp.async`` count). Measured on the H200, pages of 64: B=1 T=128k 124.2 µs against 124.8 dense
-(128.8 with the table in the loop); B=16 T=2k 34.5 against 34.6 (40.0). Where a split touches more
-entries than fit, the table stays in the loop (the paged plan).
+the loop, and a tile's pages are picked from those registers (one page: a ``where`` and a sum of one
+nonzero entry, exact; several: ``tl.gather``, one round trip through shared memory, where a where-and-sum
+over the entries cost 2.5-5.5% at pages of 16): the loop is the dense loop, with the dense plan (sm_90
+compile: 139.5 KB, the dense ``cp.async`` count). Measured on the H200, graph µs: pages of 64, B=1 T=128k
+126.4 against 127.2 dense; pages of 16, B=16 T=2k 35.3 against 35.0, B=4 T=8k 37.4 against 37.5. Where
+a split of the dense plan touches more entries than fit, pages of 64 or more take splits capped at the
+entries that fit (at least 64 tiles each: B=16 T=128k 1919 µs against 1964 with the table in the loop);
+smaller pages keep the table in the loop (the paged plan), since their capped splits of 16-32 tiles were
+slower at most shapes (benchmarks/NOTES.md, eighth round).
 
 Note [Loops under the interpreter]
 ----------------------------------
@@ -228,16 +232,14 @@ def attend_tile(m_i, l_i, r_i, acc, b_q, row_lo, row_hi, p_k, p_v, stride_kt, st
     m_t = o_t < t_end
     m_td = m_t[:, None] & m_d[None, :]
     if SPLIT_PAGES > 0:  # the tile's pages, from the registers (Note [Paged tiles from registers])
-        o_pg = tl.arange(0, SPLIT_PAGES)
         i_pg = t0 // PAGE_SIZE - pg0  # the tile's first page among the range's
         if BLOCK_N <= PAGE_SIZE:  # one page (tl.sum of one nonzero entry: exact)
+            o_pg = tl.arange(0, SPLIT_PAGES)
             page = tl.sum(tl.where(o_pg == i_pg, pages, 0), 0).to(tl.int64)
             slot = (t0 % PAGE_SIZE + tl.arange(0, BLOCK_N)).to(tl.int64)
-        else:  # BLOCK_N // PAGE_SIZE pages: theirs first, then each key's
-            o_j = tl.arange(0, BLOCK_N // PAGE_SIZE)
-            sub = tl.sum(tl.where(o_pg[None, :] == (i_pg + o_j)[:, None], pages[None, :], 0), 1)
+        else:  # BLOCK_N // PAGE_SIZE pages: each key's, gathered (one round trip through shared memory)
             o_kk = tl.arange(0, BLOCK_N)
-            page = tl.sum(tl.where((o_kk // PAGE_SIZE)[:, None] == o_j[None, :], sub[None, :], 0), 1).to(tl.int64)
+            page = tl.gather(pages, i_pg + o_kk // PAGE_SIZE, 0).to(tl.int64)
             slot = (o_kk % PAGE_SIZE).to(tl.int64)
     elif IS_PAGED:
         page = table_entries(p_bt, stride_btp, o_t // PAGE_SIZE, m_t, num_pages).to(tl.int64)
