@@ -124,12 +124,14 @@ class DecodePlan(NamedTuple):
     split_pages: int = 0
 
 
-# A split's block-table entries held in registers at most (Note [Paged tiles from registers]): measured on
-# the H200 at 128 (pages of 16 and 64 as fast as the dense cache, or within 1.1%); at 512 pages of 16 the
-# pick of a tile's pages costs more than the table loads it saves (B=64 T=8k: 526 µs against 477).
-MAX_SPLIT_PAGES = 128
+# A split's block-table entries held in registers at most (Note [Paged tiles from registers]). A tile's
+# pages are gathered through shared memory, whose cost does not grow with the entries; 2048 entries take
+# 198 registers (bf16) or 247 (FP8) on sm_90 without spills. Measured on the H200 (graph µs, same process):
+# pages of 16 at B=64 T=8k 479.9 against 478.3 dense, B=16 T=128k (four splits of 2048 entries) 1908
+# against 1876, where the table in the loop took 490.2 and 1985.6.
+MAX_SPLIT_PAGES = 2048
 # Where the dense plan's splits hold more entries, splits capped at MAX_SPLIT_PAGES entries are planned when
-# they still hold at least this many tiles (pages of 64 or more with 128-key tiles).
+# they still hold at least this many tiles (pages of 16 or more with 128-key tiles).
 MIN_CAPPED_TILES = 64
 
 
@@ -205,15 +207,14 @@ def decode_plan(batch: int, num_kv_heads: int, t_max: int, head_dim: int, dtype:
     ``kv_dtype`` (default ``dtype``; an FP8 cache takes half). ``page_size`` > 0: the cache is read
     through a block table of pages of that size: the dense cache's plan with the table in registers where a
     split's entries fit (:func:`table_pages`; ``aligned``: the splits start on a tile, i.e. no window and no
-    row limits), for pages of 64 or more with its splits capped to fit where they do not
-    (:data:`MIN_CAPPED_TILES`), else :func:`decode_config`'s paged config, one table entry per key.
+    row limits), with its splits capped to fit where they do not (:data:`MIN_CAPPED_TILES`), else :func:`decode_config`'s paged config, one table entry per key.
 
     >>> decode_plan(1, 8, 131072, 128, torch.bfloat16, 132).num_splits
     16
     >>> decode_plan(1, 8, 131072, 128, torch.bfloat16, 132, page_size=64).split_pages
     128
-    >>> decode_plan(16, 8, 131072, 128, torch.bfloat16, 132, page_size=64)[1:]  # one split of 1024 tiles, capped
-    (16, 64, False, 128)
+    >>> decode_plan(16, 8, 131072, 128, torch.bfloat16, 132, page_size=16)[1:]  # one split of 1024 tiles, capped
+    (4, 256, False, 2048)
     """
     if page_size and aligned and config is None:
         dense = decode_plan(batch, num_kv_heads, t_max, head_dim, dtype, num_sms, splits, None, kv_dtype)

@@ -61,7 +61,8 @@ def test_paged_tables_in_registers_keep_the_dense_pipeline(report):
         return found[0]
 
     dense = shared(IS_PAGED=False, BLOCK_N=128, KV_SCALE=0, Q_ROWS=1, HAS_WINDOW=False, HEAD_DIM=128)
-    assert shared(IS_PAGED=True, PAGE_SIZE=16, BLOCK_N=128, SPLIT_PAGES=128) == dense
+    gathered = shared(IS_PAGED=True, PAGE_SIZE=16, BLOCK_N=128, SPLIT_PAGES=2048)  # + the gather's entries
+    assert dense <= gathered <= dense + 2048 * 4
     assert shared(IS_PAGED=True, PAGE_SIZE=256, BLOCK_N=128, SPLIT_PAGES=16) == dense
     dense64 = shared(IS_PAGED=False, BLOCK_N=64, KV_SCALE=0, Q_ROWS=1, HEAD_DIM=128)
     assert shared(IS_PAGED=True, PAGE_SIZE=16, BLOCK_N=64, SPLIT_PAGES=0, Q_ROWS=1) < dense64

@@ -61,34 +61,38 @@ def test_decode_plan(args, want):
 
 
 def test_paged_decode_plan_fills_four_programs_per_sm():
-    """A paged cache: 64-key tiles, one wave of 4 programs on each of 132 SMs (528 slots); 3 with pages of
-    one position."""
-    plan = decode_plan(1, 8, 131072, 128, torch.bfloat16, 132, page_size=16)
+    """A paged cache with the table in the loop (pages of 24, or a window): 64-key tiles, one wave of 4
+    programs on each of 132 SMs (528 slots); 3 with pages of one position."""
+    plan = decode_plan(1, 8, 131072, 128, torch.bfloat16, 132, page_size=24)
     assert (plan.config.block_n, plan.num_splits, plan.tiles_per_split) == (64, 64, 32)  # 512 programs
+    plan = decode_plan(1, 8, 131072, 128, torch.bfloat16, 132, page_size=16, aligned=False)
+    assert (plan.config.block_n, plan.num_splits, plan.tiles_per_split) == (64, 64, 32)
     plan = decode_plan(1, 8, 131072, 128, torch.bfloat16, 132, page_size=1)
     assert (plan.config.block_n, plan.num_splits, plan.tiles_per_split) == (64, 49, 42)  # 392 programs
-    assert decode_plan(64, 8, 8192, 128, torch.bfloat16, 132, page_size=16).num_splits == 1
+    assert decode_plan(64, 8, 8192, 128, torch.bfloat16, 132, page_size=16, aligned=False).num_splits == 1
 
 
 def test_paged_plan_takes_the_dense_plan_with_the_table_in_registers():
-    """Note [Paged tiles from registers]: where a split of the dense plan touches at most 128 block-table
+    """Note [Paged tiles from registers]: where a split of the dense plan touches at most 2048 block-table
     entries (a power-of-two page of 16 or more, splits that start on a tile), the paged cache gets the dense
-    plan and reads the entries into registers; else the paged plan, with the table in the loop."""
+    plan and reads the entries into registers; where it touches more, splits capped at 2048 entries (if
+    they keep 64 tiles or more); else the paged plan, with the table in the loop."""
     dense = decode_plan(1, 8, 131072, 128, torch.bfloat16, 132)
     plan = decode_plan(1, 8, 131072, 128, torch.bfloat16, 132, page_size=64)  # 8192 keys a split: 128 pages
     assert plan == dense._replace(split_pages=128)
+    assert decode_plan(1, 8, 131072, 128, torch.bfloat16, 132, page_size=16) == dense._replace(split_pages=512)
     assert decode_plan(16, 8, 2048, 128, torch.bfloat16, 132, page_size=16).split_pages == 128
     assert decode_plan(16, 8, 2048, 128, torch.bfloat16, 132, page_size=256).split_pages == 16  # 8, + 1 mid-page
     for page in (1, 5, 24):  # not a power of two of 16 or more
         assert decode_plan(16, 8, 2048, 128, torch.bfloat16, 132, page_size=page).split_pages == 0
-    assert decode_plan(1, 8, 131072, 128, torch.bfloat16, 132, page_size=16).split_pages == 0  # 512 entries
     assert decode_plan(1, 8, 131072, 128, torch.bfloat16, 132, page_size=64, aligned=False).split_pages == 0
-    # splits capped to fit, for pages of 64 or more (64 tiles a split at least): 1024 tiles -> 16 x 64
-    big = decode_plan(16, 8, 131072, 128, torch.bfloat16, 132, page_size=64)
-    assert (big.num_splits, big.tiles_per_split, big.split_pages) == (16, 64, 128)
-    assert decode_plan(16, 8, 131072, 128, torch.bfloat16, 132, page_size=256)[1:] == (5, 205, False, 128)
-    assert decode_plan(16, 8, 131072, 128, torch.bfloat16, 132, page_size=32).split_pages == 0  # 32 tiles: no
-    assert decode_plan(16, 8, 131072, 128, torch.bfloat16, 132, page_size=64, splits=2).split_pages == 0
+    # capped: one split of 1024 tiles (8192 entries of 16) -> 4 splits of 256 tiles
+    assert decode_plan(16, 8, 131072, 128, torch.bfloat16, 132, page_size=16)[1:] == (4, 256, False, 2048)
+    assert decode_plan(16, 8, 131072, 128, torch.bfloat16, 132, page_size=64).split_pages == 2048  # fits
+    # pages of 512 (four tiles a page): a split that starts mid-page needs one entry more than its keys
+    big = decode_plan(1, 8, 1 << 24, 128, torch.bfloat16, 132, page_size=512)
+    assert big.split_pages == 2048 and big.tiles_per_split * 128 <= 2047 * 512
+    assert decode_plan(1, 8, 1 << 24, 128, torch.bfloat16, 132, page_size=16, splits=2).split_pages == 0
 
 
 def test_head_dim_64_plan():

@@ -41,17 +41,17 @@ that load feeds the K/V loads' addresses, and Triton's software pipeliner gives 
 loop keeps one K/V tile in flight instead of two (39 KB of shared memory against the dense loop's 72 KB
 for 64-key tiles, 139.5 KB for 128-key ones), which the paged plan made up for with four programs per SM
 and 64-key tiles, 3-4% slower than the dense cache at B=1 T=128k and 7-16% at B=4-16 T=2k-8k on the
-H200. When the page size is a power of two of 16 or more and the splits start on a tile, the entries of
-a split (``SPLIT_PAGES`` at most, :data:`cp_attention.heuristics.MAX_SPLIT_PAGES`) are loaded once, before
-the loop, and a tile's pages are picked from those registers (one page: a ``where`` and a sum of one
-nonzero entry, exact; several: ``tl.gather``, one round trip through shared memory, where a where-and-sum
-over the entries cost 2.5-5.5% at pages of 16): the loop is the dense loop, with the dense plan (sm_90
-compile: 139.5 KB, the dense ``cp.async`` count). Measured on the H200, graph µs: pages of 64, B=1 T=128k
-126.4 against 127.2 dense; pages of 16, B=16 T=2k 35.3 against 35.0, B=4 T=8k 37.4 against 37.5. Where
-a split of the dense plan touches more entries than fit, pages of 64 or more take splits capped at the
-entries that fit (at least 64 tiles each: B=16 T=128k 1919 µs against 1964 with the table in the loop);
-smaller pages keep the table in the loop (the paged plan), since their capped splits of 16-32 tiles were
-slower at most shapes (benchmarks/NOTES.md, eighth round).
+H200. (Hiding that load from the pipeliner, as inline PTX, gives the dense pipeline but leaves each
+iteration waiting for the entries of the tile two ahead: 40% slower.) When the page size is a power of two
+of 16 or more and the splits start on a tile, the entries of a split (``SPLIT_PAGES`` at most,
+:data:`cp_attention.heuristics.MAX_SPLIT_PAGES`) are loaded once, before the loop, and a tile's pages are
+picked from those registers (one page: a ``where`` and a sum of one nonzero entry, exact; several:
+``tl.gather``, one round trip through shared memory whose cost does not grow with the entries, where a
+where-and-sum over them cost 2.5-5.5% at 128 entries and 10% at 512): the loop is the dense loop, with the
+dense plan (sm_90 compile: 139.5 KB, the dense ``cp.async`` count). Where a split of the dense plan
+touches more entries than fit, the plan's splits are capped to fit. Measured on the H200, graph µs, same
+process: pages of 16, B=1 T=128k 126.8 against 127.3 dense, B=64 T=8k 479.9 against 478.3, B=16 T=128k
+(capped) 1908 against 1876; pages of 64, B=16 T=128k 1880 (benchmarks/NOTES.md, eighth round).
 
 Note [Loops under the interpreter]
 ----------------------------------
