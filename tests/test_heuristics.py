@@ -23,6 +23,11 @@ def test_num_sms_of_a_cpu_device_is_the_reference():
 def test_decode_configs():
     assert decode_config(128, torch.bfloat16) == DecodeConfig(128, 4, 3)
     assert decode_config(128, torch.bfloat16, 512) == DecodeConfig(64, 4, 2)
+    # many short sequences (3 waves of sequences x KV heads or more): three programs per SM
+    assert decode_config(128, torch.bfloat16, 2048, waves=512 / 132) == DecodeConfig(64, 4, 2)
+    assert decode_config(128, torch.bfloat16, 2048, waves=128 / 132) == DecodeConfig(128, 4, 3)
+    assert decode_config(128, torch.bfloat16, 8192, waves=512 / 132) == DecodeConfig(128, 4, 3)
+    assert decode_config(128, torch.bfloat16, 2048, waves=512 / 132, kv_dtype=torch.float8_e4m3fn).block_n == 128
     assert decode_config(256, torch.float16) == DecodeConfig(64, 4, 2)
     assert decode_config(64, torch.float32) == DecodeConfig(64, 4, 2)
     assert decode_config(128, torch.bfloat16, 131072, page_size=16) == DecodeConfig(64, 4, 3, programs=4)
