@@ -222,7 +222,10 @@ def decode_plan(batch: int, num_kv_heads: int, t_max: int, head_dim: int, dtype:
     (4, 256, False, 2048)
     """
     if page_size and aligned and config is None:
-        dense = decode_plan(batch, num_kv_heads, t_max, head_dim, dtype, num_sms, splits, None, kv_dtype)
+        # the dense plan without the many-short-sequences config (pages of 64 at B=64 T=2k took 156-159 µs
+        # with it, 128 without; benchmarks/NOTES.md, eighth round)
+        dense = decode_plan(batch, num_kv_heads, t_max, head_dim, dtype, num_sms, splits,
+                            decode_config(head_dim, dtype, t_max, 0, kv_dtype), kv_dtype)
         block_n = dense.config.block_n
         capped = (MAX_SPLIT_PAGES - (page_size > block_n)) * page_size // block_n  # a mid-page start: one more
         if not table_pages(dense, page_size) and capped >= MIN_CAPPED_TILES and splits is None:

@@ -45,9 +45,9 @@ H200. (Hiding that load from the pipeliner, as inline PTX, gives the dense pipel
 iteration waiting for the entries of the tile two ahead: 40% slower.) When the page size is a power of two
 of 16 or more and the splits start on a tile, the entries of a split (``SPLIT_PAGES`` at most,
 :data:`cp_attention.heuristics.MAX_SPLIT_PAGES`) are loaded once, before the loop, and a tile's pages are
-gathered from those registers (``tl.gather``: one round trip through shared memory, whose cost does not
-grow with the entries, where a where-and-sum over them cost 2.5-5.5% at 128 entries, 10% at 512, and 25%
-for 64-key tiles in pages of 64 at B=64 T=2k): the loop is the dense loop, with the
+picked from those registers (one page: a ``where`` and a sum of one nonzero entry, exact; several:
+``tl.gather``, one round trip through shared memory whose cost does not grow with the entries, where a
+where-and-sum over them cost 2.5-5.5% at 128 entries and 10% at 512): the loop is the dense loop, with the
 dense plan (sm_90 compile: 139.5 KB, the dense ``cp.async`` count). Where a split of the dense plan
 touches more entries than fit, the plan's splits are capped to fit. Measured on the H200, graph µs, same
 process: pages of 16, B=1 T=128k 126.8 against 127.3 dense, B=64 T=8k 479.9 against 478.3, B=16 T=128k
@@ -232,9 +232,15 @@ def attend_tile(m_i, l_i, r_i, acc, b_q, row_lo, row_hi, p_k, p_v, stride_kt, st
     m_t = o_t < t_end
     m_td = m_t[:, None] & m_d[None, :]
     if SPLIT_PAGES > 0:  # the tile's pages, from the registers (Note [Paged tiles from registers])
-        o_kk = t0 % PAGE_SIZE + tl.arange(0, BLOCK_N)  # the keys' offsets from their tile's first page
-        page = tl.gather(pages, t0 // PAGE_SIZE - pg0 + o_kk // PAGE_SIZE, 0).to(tl.int64)
-        slot = (o_kk % PAGE_SIZE).to(tl.int64)
+        i_pg = t0 // PAGE_SIZE - pg0  # the tile's first page among the range's
+        if BLOCK_N <= PAGE_SIZE:  # one page (tl.sum of one nonzero entry: exact)
+            o_pg = tl.arange(0, SPLIT_PAGES)
+            page = tl.sum(tl.where(o_pg == i_pg, pages, 0), 0).to(tl.int64)
+            slot = (t0 % PAGE_SIZE + tl.arange(0, BLOCK_N)).to(tl.int64)
+        else:  # BLOCK_N // PAGE_SIZE pages: each key's, gathered (one round trip through shared memory)
+            o_kk = tl.arange(0, BLOCK_N)
+            page = tl.gather(pages, i_pg + o_kk // PAGE_SIZE, 0).to(tl.int64)
+            slot = (o_kk % PAGE_SIZE).to(tl.int64)
     elif IS_PAGED:
         page = table_entries(p_bt, stride_btp, o_t // PAGE_SIZE, m_t, num_pages).to(tl.int64)
         slot = (o_t % PAGE_SIZE).to(tl.int64)
