@@ -2,7 +2,7 @@
 dtypes, tolerances, output comparison, the kernels a call launches, JSON results and the text table.
 
 Timing (all medians from ``triton.testing.do_bench``, which flushes the L2 with a 256 MB memset before
-every timed run):
+every timed run; at least :data:`MIN_RUNS` timed runs each):
 
 * **per call** (:func:`bench_call`): one eager ``fn()`` per timed run. Host time that fits under the
   preceding flush is hidden, so this is close to GPU time unless the host path is slower than the flush.
@@ -39,6 +39,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 READ_CEILING_TBS = 4.47  # H200 HBM read ceiling measured with a Triton streaming read (4 GB)
 CUDNN_READ_TBS = 4.54  # what cuDNN's decode kernel (torch SDPA default) reaches at B=1, T=1M
 GRAPH_CALLS = 20  # calls captured in one CUDA graph by bench_graph
+MIN_RUNS = 25  # timed runs behind every median, however long one run takes
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
 # Largest max |o - o_cp_attention| counted as agreement, by the dtype of the compared cache (bf16 as the
@@ -46,8 +47,16 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, 
 TOLERANCES = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2, torch.float8_e4m3fn: 1e-1}
 
 
-def bench_call(fn, warmup: int = 25, rep: int = 100) -> float:
-    """Median µs of one eager ``fn()`` (L2 flushed before each)."""
+def bench_call(fn, warmup: int = 25, rep: int = 100, min_runs: int = MIN_RUNS) -> float:
+    """Median µs of one eager ``fn()`` (L2 flushed before each) over ``rep`` ms of timed runs, and at least
+    ``min_runs`` of them (``do_bench`` fits its count to ``rep``: a 40 ms call would get 2)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    est_ms = (time.perf_counter() - t0) * 1e3
+    rep = max(rep, math.ceil(1.2 * min_runs * est_ms))
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median") * 1e3
 
 

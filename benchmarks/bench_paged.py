@@ -9,7 +9,7 @@ bf16, Hq=32, Hkv=8, D=128, every sequence at the full context T. Sections (``--s
 * ``peers``: B in {1, 4, 16, 64} x T in {2k, 8k, 32k, 128k} at pages of 16 and 64: cp_attention paged,
   FlashInfer XQA (page 16 or 64) and FlashInfer fa2 tensor cores on the same page size;
 * ``drafts``: B=32 T=8k with Q=4 rows (the causal rule among the drafts) against Q=1 (the same bytes), and
-  FlashInfer fa2 with ``q_len_per_req=4``.
+  FlashInfer's 4-row paths: XQA and fa2 with ``q_len_per_req=4``.
 
 µs per call with 20 calls captured in one CUDA graph and per eager call (benchmarks/_harness.py), TB/s of
 the K+V bytes. Needs FlashInfer for the peer lines (installed as bench_decode.py's docstring says; without it
@@ -63,6 +63,8 @@ def cases(sections):
             out.append(("drafts", 32, 8192, q_rows, {"cp dense": peers.cp_attention,
                                                      "cp page 16": functools.partial(peers.cp_attention_paged,
                                                                                      page_size=16),
+                                                     "xqa page 16": functools.partial(peers.flashinfer_xqa,
+                                                                                      page_size=16),
                                                      "fa2 page 16": functools.partial(peers.flashinfer_fa2,
                                                                                       page_size=16)}))
     return out

@@ -126,6 +126,9 @@ def flashinfer_xqa(q, k, v, *, page_size: int = 64, fp8: bool = False):
     seq_lens, max_seq_len, bmm1_scale, bmm2_scale, out=, kv_layout=, backend="xqa")`` (0.7.2):
 
     * ``query [B, Hq, D]`` (one token per request); output ``[B, Hq, D]`` in q's dtype (``out`` given here).
+      Draft rows, ``q [B, Q, Hq, D]``: ``query [B * Q, Hq, D]`` with ``q_len_per_req=Q`` and ``mask [B, Q,
+      2 * ceil(Q / 32)]`` uint16, bit ``j`` of row ``i`` set when row ``i`` sees draft ``j`` (``j <= i``: the
+      causal rule; the keys before the drafts are seen by every row). XQA's speculative path requires it.
     * ``kv_cache``: a tuple ``(k_pages, v_pages)``, each ``[num_pages, page_size, Hkv, D]`` for
       ``kv_layout="NHD"`` (the function's default layout is HND); page_size in {16, 32, 64, 128}.
     * ``workspace_buffer``: uint8, zeroed before its first use: XQA takes 8 MB of semaphores from its
@@ -142,6 +145,9 @@ def flashinfer_xqa(q, k, v, *, page_size: int = 64, fp8: bool = False):
     from flashinfer.decode import trtllm_batch_decode_with_kv_cache
 
     b, hkv, t, d = k.shape
+    q_rows = q.shape[1] if q.dim() == 4 else 1
+    shape = q.shape
+    q = q.reshape(b * q_rows, *q.shape[-2:])
     k_scale = fp8_scale(k) if fp8 else 1.0
     v_scale = fp8_scale(v) if fp8 else 1.0
     dtype = torch.float8_e4m3fn if fp8 else k.dtype
@@ -151,9 +157,15 @@ def flashinfer_xqa(q, k, v, *, page_size: int = 64, fp8: bool = False):
     workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=q.device)
     out = torch.empty_like(q)
     bmm1, bmm2 = k_scale / math.sqrt(d), v_scale
+    spec = {}
+    if q_rows > 1:
+        words = (q_rows + 31) // 32
+        bits = torch.tril(torch.ones(q_rows, 32 * words, dtype=torch.int64)) << torch.arange(32 * words) % 16
+        mask = bits.view(q_rows, 2 * words, 16).sum(-1).to(torch.int32).to(torch.uint16)
+        spec = {"q_len_per_req": q_rows, "mask": mask.expand(b, -1, -1).contiguous().to(q.device)}
     return lambda: trtllm_batch_decode_with_kv_cache(
         q, (kp, vp), workspace, block_tables, seq_lens, t, bmm1_scale=bmm1, bmm2_scale=bmm2, out=out,
-        kv_layout="NHD", backend="xqa")
+        kv_layout="NHD", backend="xqa", **spec).view(shape)
 
 
 def flashinfer_fa2(q, k, v, *, page_size: int = 16):

@@ -100,6 +100,15 @@ class DecodeConfig(NamedTuple):
     num_stages: int
     programs: int = 0
 
+    def max_registers(self) -> int:
+        """Registers per thread that let :attr:`programs` programs share an SM (64K registers; a multiple of
+        8, at most 255), passed to the compiler as ``maxnreg``; 0 (no cap) when :attr:`programs` is not set.
+        Without it the count is ptxas's choice: pages of 64 in 64-key tiles took 143 registers on the H200
+        (three programs per SM, 156 µs at B=64 T=2k) where pages of 16 took 110 (four, 125 µs)."""
+        if not self.programs:
+            return 0
+        return min(255, 65536 // (self.programs * self.num_warps * 32)) // 8 * 8
+
     def programs_per_sm(self, head_dim: int, dtype: torch.dtype) -> int:
         """How many programs share an SM: :attr:`programs`, or the estimate from the K/V pipeline's shared
         memory."""
@@ -149,11 +158,11 @@ def table_pages(plan: DecodePlan, page_size: int) -> int:
 def decode_config(head_dim: int, dtype: torch.dtype, t_max: int | None = None, page_size: int = 0,
                   kv_dtype: torch.dtype | None = None, waves: float = 0.0) -> DecodeConfig:
     """The split-KV kernel's tile config, tuned on the H200 (benchmarks/NOTES.md): 128-key tiles with three
-    stages in flight; 64-key tiles in two stages (three programs per SM) for caches of at most 512
-    positions, and for a dense 16-bit cache of at most 2048 with ``waves`` (sequences × KV heads per SM)
-    of 3 or more (B=64 T=2k:
-    122.2 µs against 124.9-125.3 with 128-key tiles, one program per SM; B=16 T=2k, 1 wave: 39.6 against
-    34.4, B=64 T=8k: 468.7 against 467.2); 256-key tiles for a
+    stages in flight; 64-key tiles in two stages for caches of at most 512 positions, and for a 16-bit
+    cache (dense, or paged through the register path) of at most 2048 with ``waves`` (sequences × KV heads
+    per SM) of 3 or more, four programs per SM with their registers capped to fit
+    (:meth:`DecodeConfig.max_registers`; B=64 T=2k: 122.2 µs against 124.9-125.3 with 128-key tiles, one
+    program per SM; B=16 T=2k, 1 wave: 39.6 against 34.4, B=64 T=8k: 468.7 against 467.2); 256-key tiles for a
     16-bit cache of head dim 64 from 32k positions on (the bytes of a 128 x 128 tile: at B=1 T=128k 66.3
     µs against 68.7 at the best split count of 128-key tiles, at B=16 T=32k 246 against 257).
 
@@ -170,8 +179,10 @@ def decode_config(head_dim: int, dtype: torch.dtype, t_max: int | None = None, p
         return DecodeConfig(64, 4, 2) if head_dim <= 128 else DecodeConfig(32, 4, 2)
     if head_dim > 128:
         return DecodeConfig(64, 4, 2)
-    many_short = t_max is not None and t_max <= 2048 and waves >= 3 and not page_size
-    if t_max is not None and t_max <= 512 or many_short and (kv_dtype or dtype).itemsize == 2:
+    many_short = t_max is not None and 512 < t_max <= 2048 and waves >= 3 and not page_size
+    if many_short and (kv_dtype or dtype).itemsize == 2:
+        return DecodeConfig(64, 4, 2, programs=4)
+    if t_max is not None and t_max <= 512:
         return DecodeConfig(64, 4, 2)
     if page_size:
         return DecodeConfig(64, 4, 3, programs=4 if page_size > 1 else 3)
@@ -222,10 +233,7 @@ def decode_plan(batch: int, num_kv_heads: int, t_max: int, head_dim: int, dtype:
     (4, 256, False, 2048)
     """
     if page_size and aligned and config is None:
-        # the dense plan without the many-short-sequences config (pages of 64 at B=64 T=2k took 156-159 µs
-        # with it, 128 without; benchmarks/NOTES.md, eighth round)
-        dense = decode_plan(batch, num_kv_heads, t_max, head_dim, dtype, num_sms, splits,
-                            decode_config(head_dim, dtype, t_max, 0, kv_dtype), kv_dtype)
+        dense = decode_plan(batch, num_kv_heads, t_max, head_dim, dtype, num_sms, splits, None, kv_dtype)
         block_n = dense.config.block_n
         capped = (MAX_SPLIT_PAGES - (page_size > block_n)) * page_size // block_n  # a mid-page start: one more
         if not table_pages(dense, page_size) and capped >= MIN_CAPPED_TILES and splits is None:

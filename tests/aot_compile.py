@@ -47,7 +47,8 @@ def main():
             if isinstance(fn, JITFunction) and fn_name.endswith("_kernel") and id(fn) not in registered:
                 report["unregistered"].append(f"{short}.{fn_name}")
         for i, spec in enumerate(specs):
-            entry = {"id": f"{short}-{i}", "kernel": spec["kernel"].__name__, "constexprs": spec["constexprs"]}
+            entry = {"id": f"{short}-{i}", "kernel": spec["kernel"].__name__, "constexprs": spec["constexprs"],
+                     "options": spec.get("options", {})}
             try:
                 k = compile_spec(spec)
                 entry.update(ok=bool(k.asm.get("cubin")), ptx=k.asm["ptx"], shared=k.metadata.shared,

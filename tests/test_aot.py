@@ -68,6 +68,16 @@ def test_paged_tables_in_registers_keep_the_dense_pipeline(report):
     assert shared(IS_PAGED=True, PAGE_SIZE=16, BLOCK_N=64, SPLIT_PAGES=0, Q_ROWS=1) < dense64
 
 
+def test_register_cap_reaches_the_ptx(report):
+    """``DecodeConfig.max_registers``: a config that counts on four programs per SM compiles with
+    ``maxnreg`` 128, and the others without a cap."""
+    specs = [s for s in report["specs"] if s["kernel"] == "_split_kv_kernel"]
+    capped = [s for s in specs if s["options"].get("maxnreg")]
+    assert capped
+    for s in specs:
+        assert (".maxnreg 128" in s["ptx"]) == (s in capped), s["id"]
+
+
 def test_symm_merge_protocols(report):
     """Note [Symmetric-memory merge]. Flagged words: one relaxed system-scope 8-byte store per value, volatile
     polls, and no fence or system-scope atomic on the path. Bulk: float32 stores (none when the producer

@@ -24,13 +24,16 @@ def test_decode_configs():
     assert decode_config(128, torch.bfloat16) == DecodeConfig(128, 4, 3)
     assert decode_config(128, torch.bfloat16, 512) == DecodeConfig(64, 4, 2)
     # many short sequences (3 waves of sequences x KV heads or more): three programs per SM
-    assert decode_config(128, torch.bfloat16, 2048, waves=512 / 132) == DecodeConfig(64, 4, 2)
+    assert decode_config(128, torch.bfloat16, 2048, waves=512 / 132) == DecodeConfig(64, 4, 2, programs=4)
     assert decode_config(128, torch.bfloat16, 2048, waves=128 / 132) == DecodeConfig(128, 4, 3)
     assert decode_config(128, torch.bfloat16, 8192, waves=512 / 132) == DecodeConfig(128, 4, 3)
     assert decode_config(128, torch.bfloat16, 2048, waves=512 / 132, kv_dtype=torch.float8_e4m3fn).block_n == 128
-    # a paged cache keeps the 128-key plan there (pages of 64 ran 22% slower in 64-key tiles)
-    assert decode_plan(64, 8, 2048, 128, torch.bfloat16, 132).config == DecodeConfig(64, 4, 2)
-    assert decode_plan(64, 8, 2048, 128, torch.bfloat16, 132, page_size=64).config == DecodeConfig(128, 4, 3)
+    # many short sequences: four programs per SM, 128 registers each, for a dense cache and the paged one
+    assert decode_plan(64, 8, 2048, 128, torch.bfloat16, 132).config == DecodeConfig(64, 4, 2, programs=4)
+    for page_size in (16, 64):
+        plan = decode_plan(64, 8, 2048, 128, torch.bfloat16, 132, page_size=page_size)
+        assert plan.config == DecodeConfig(64, 4, 2, programs=4) and plan.config.max_registers() == 128
+    assert decode_config(128, torch.bfloat16, 512, waves=4).max_registers() == 0  # short caches: no cap
     assert decode_config(256, torch.float16) == DecodeConfig(64, 4, 2)
     assert decode_config(64, torch.float32) == DecodeConfig(64, 4, 2)
     assert decode_config(128, torch.bfloat16, 131072, page_size=16) == DecodeConfig(64, 4, 3, programs=4)

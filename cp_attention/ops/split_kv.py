@@ -73,6 +73,7 @@ from ._launch import pdl_options
 from ._state import (add_sink, attend_tiles, fp16_query, kv_bases, merge_tile, score_scales, seq_length,
                      split_range)
 from .._dispatch import next_pow2
+from ..heuristics import DecodeConfig
 
 
 @triton.jit
@@ -269,7 +270,16 @@ def split_kv_launch_config(dtype, group: int, q_rows: int, head_dim: int, plan, 
                       HAS_WINDOW=window, SOFTCAP=softcap, HAS_SINKS=sinks and not export, KV_SCALE=kv_scale,
                       EXPORT=export, **dot_flags(dtype),
                       SPLIT_PAGES=0 if window or row_limits or not page_size else plan.split_pages, PDL=pdl)
-    return constexprs, pdl_options(pdl, num_warps=plan.config.num_warps, num_stages=plan.config.num_stages), tiling
+    return constexprs, split_kv_options(plan.config, pdl), tiling
+
+
+def split_kv_options(config, pdl: bool) -> dict:
+    """Triton launch options of the split-KV kernel for a :class:`~cp_attention.heuristics.DecodeConfig`:
+    its warps and stages, its register cap (``maxnreg``, where the config sets one) and ``launch_pdl``."""
+    options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+    if config.max_registers():
+        options["maxnreg"] = config.max_registers()
+    return pdl_options(pdl, **options)
 
 
 def combine_launch_config(group: int, q_rows: int, head_dim: int, sinks: bool, num_splits: int | None = None,
@@ -293,7 +303,7 @@ def export_floats(batch: int, hkv: int, tiling: RowTiling, head_dim: int, num_sp
 
 
 def _aot_spec(group, q_rows, export, page_size=0, causal=False, row_limits=False, block_n=128, kv="bf16",
-              kv_scale=0, window=False, softcap=False, sinks=False, head_dim=128, split_pages=0):
+              kv_scale=0, window=False, softcap=False, sinks=False, head_dim=128, split_pages=0, config=None):
     tiling = row_tiling(q_rows, group)
     return {
         "kernel": _split_kv_kernel,
@@ -306,7 +316,7 @@ def _aot_spec(group, q_rows, export, page_size=0, causal=False, row_limits=False
                            IS_PAGED=page_size > 0, IS_CAUSAL=causal, HAS_ROW_LIMITS=row_limits,
                            HAS_WINDOW=window, SOFTCAP=softcap, HAS_SINKS=sinks and not export, KV_SCALE=kv_scale,
                            EXPORT=export, INPUT_PRECISION="tf32", UPCAST=False, SPLIT_PAGES=split_pages, PDL=True),
-        "options": {"num_warps": 4, "num_stages": 3, "launch_pdl": True},
+        "options": split_kv_options(config or DecodeConfig(block_n, 4, 3), pdl=True),
     }
 
 
@@ -315,7 +325,7 @@ def _aot_spec(group, q_rows, export, page_size=0, causal=False, row_limits=False
 # row limits (two row tiles), FP8 caches (e4m3 with scalar scales; e5m2 paged with per-head scales), and the
 # variants: a window with sinks (split and not), a softcap on 4 causal rows, 64-key tiles split, head dim 64
 # in 256-key tiles; paged tables in registers (2048 entries of 16, pages of 256, 2048 FP8 pages of 64 with 4
-# causal rows);
+# causal rows, 32 pages of 64 in 64-key tiles with four programs per SM: registers capped at 128);
 # and the combine, with the policy's split count and with the deterministic splits.
 AOT_SPECS = [_aot_spec(4, 1, True), _aot_spec(5, 1, False), _aot_spec(8, 1, True),
              _aot_spec(4, 1, True, page_size=16, block_n=64), _aot_spec(4, 1, False, page_size=64, block_n=64),
@@ -326,7 +336,8 @@ AOT_SPECS = [_aot_spec(4, 1, True), _aot_spec(5, 1, False), _aot_spec(8, 1, True
              _aot_spec(4, 4, True, causal=True, softcap=True), _aot_spec(4, 1, True, block_n=64),
              _aot_spec(4, 1, True, block_n=256, head_dim=64),
              _aot_spec(4, 1, True, page_size=16, split_pages=2048), _aot_spec(4, 1, False, page_size=256, split_pages=16),
-             _aot_spec(4, 4, True, page_size=64, causal=True, kv="fp8e4nv", kv_scale=2, split_pages=2048)] + [
+             _aot_spec(4, 4, True, page_size=64, causal=True, kv="fp8e4nv", kv_scale=2, split_pages=2048),
+             _aot_spec(4, 1, False, page_size=64, block_n=64, split_pages=32, config=DecodeConfig(64, 4, 2, 4))] + [
     {"kernel": _combine_kernel, "signature": {"WORK": "*fp32", "SINKS": "*fp32", "O": "*bf16", "LSE": "*fp32"},
      "constexprs": cfg[0], "options": cfg[1]}
     for cfg in (combine_launch_config(4, 1, 128, True, 16, pdl=True),
