@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["num_splits", "num_sms", "use_pdl", "DecodeConfig", "DecodePlan", "decode_config", "decode_plan",
+__all__ = ["num_splits", "num_sms", "use_pdl", "DecodeConfig", "DecodePlan", "FOUR_PER_SM", "decode_config", "decode_plan",
            "deterministic_plan", "PrefixConfig", "PrefixPlan", "prefix_config", "prefix_plan", "REFERENCE_SMS"]
 
 # CPU tensors (the Triton interpreter) are planned as for the H200 the defaults were tuned on, so the
@@ -155,6 +155,10 @@ def table_pages(plan: DecodePlan, page_size: int) -> int:
     return pages if pages <= MAX_SPLIT_PAGES else 0
 
 
+# 64-key tiles in two stages, four programs per SM (registers capped at 128): many sequences × KV heads
+FOUR_PER_SM = DecodeConfig(64, 4, 2, programs=4)
+
+
 def decode_config(head_dim: int, dtype: torch.dtype, t_max: int | None = None, page_size: int = 0,
                   kv_dtype: torch.dtype | None = None, waves: float = 0.0) -> DecodeConfig:
     """The split-KV kernel's tile config, tuned on the H200 (benchmarks/NOTES.md): 128-key tiles with three
@@ -181,7 +185,7 @@ def decode_config(head_dim: int, dtype: torch.dtype, t_max: int | None = None, p
         return DecodeConfig(64, 4, 2)
     many_short = t_max is not None and 512 < t_max <= 2048 and waves >= 3 and not page_size
     if many_short and (kv_dtype or dtype).itemsize == 2:
-        return DecodeConfig(64, 4, 2, programs=4)
+        return FOUR_PER_SM
     if t_max is not None and t_max <= 512:
         return DecodeConfig(64, 4, 2)
     if page_size:
@@ -222,7 +226,10 @@ def decode_plan(batch: int, num_kv_heads: int, t_max: int, head_dim: int, dtype:
     of the query's ``dtype``; the shared memory of its K/V stages (programs per SM) counts in
     ``kv_dtype`` (default ``dtype``; an FP8 cache takes half). ``page_size`` > 0: the cache is read
     through a block table of pages of that size: the dense cache's plan with the table in registers where a
-    split's entries fit (:func:`table_pages`; ``aligned``: the splits start on a tile, i.e. no window and no
+    split's entries fit (pages of less than 64 positions at 3 waves or more of sequences × KV heads: with
+    :data:`FOUR_PER_SM`, whose other programs hide the barrier of a tile's gather; B=64 pages of 16, graph µs
+    on the H200 in three interleaved rounds: 482.5-483.5 against 501.5-515.0 at T=8k, 7660.5-7662.6 against
+    7756.8-7763.1 at 128k) (:func:`table_pages`; ``aligned``: the splits start on a tile, i.e. no window and no
     row limits), with its splits capped to fit where they do not (:data:`MIN_CAPPED_TILES`), else :func:`decode_config`'s paged config, one table entry per key.
 
     >>> decode_plan(1, 8, 131072, 128, torch.bfloat16, 132).num_splits
@@ -233,7 +240,11 @@ def decode_plan(batch: int, num_kv_heads: int, t_max: int, head_dim: int, dtype:
     (4, 256, False, 2048)
     """
     if page_size and aligned and config is None:
-        dense = decode_plan(batch, num_kv_heads, t_max, head_dim, dtype, num_sms, splits, None, kv_dtype)
+        waves = batch * num_kv_heads / num_sms
+        if page_size < 64 and waves >= 3 and (kv_dtype or dtype).itemsize == 2:
+            config = FOUR_PER_SM  # (a tile's pages gathered: its barrier hidden by the other programs)
+        dense = decode_plan(batch, num_kv_heads, t_max, head_dim, dtype, num_sms, splits, config, kv_dtype)
+        config = None
         block_n = dense.config.block_n
         capped = (MAX_SPLIT_PAGES - (page_size > block_n)) * page_size // block_n  # a mid-page start: one more
         if not table_pages(dense, page_size) and capped >= MIN_CAPPED_TILES and splits is None:

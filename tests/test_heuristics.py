@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from cp_attention.heuristics import (REFERENCE_SMS, DecodeConfig, PrefixConfig, decode_config, decode_plan,
-                                     num_sms, num_splits, prefix_config, prefix_num_splits, prefix_plan)
+from cp_attention.heuristics import (FOUR_PER_SM, REFERENCE_SMS, DecodeConfig, PrefixConfig, decode_config,
+                                     decode_plan, num_sms, num_splits, prefix_config, prefix_num_splits, prefix_plan)
 
 
 def test_fa2_split_table():
@@ -34,6 +34,14 @@ def test_decode_configs():
         plan = decode_plan(64, 8, 2048, 128, torch.bfloat16, 132, page_size=page_size)
         assert plan.config == DecodeConfig(64, 4, 2, programs=4) and plan.config.max_registers() == 128
     assert decode_config(128, torch.bfloat16, 512, waves=4).max_registers() == 0  # short caches: no cap
+    # pages of 16 at 3 waves and more: four programs per SM at every length (capped splits at 128k)
+    assert decode_plan(64, 8, 8192, 128, torch.bfloat16, 132, page_size=16)[:3] == (FOUR_PER_SM, 1, 128)
+    assert decode_plan(64, 8, 131072, 128, torch.bfloat16, 132, page_size=16)[:] == (FOUR_PER_SM, 4, 512, False,
+                                                                                    2048)
+    assert decode_plan(64, 8, 8192, 128, torch.bfloat16, 132, page_size=64).config == DecodeConfig(128, 4, 3)
+    assert decode_plan(16, 8, 8192, 128, torch.bfloat16, 132, page_size=16).config == DecodeConfig(128, 4, 3)
+    assert decode_plan(64, 8, 8192, 128, torch.bfloat16, 132, kv_dtype=torch.float8_e4m3fn,
+                       page_size=16).config.block_n == 128
     assert decode_config(256, torch.float16) == DecodeConfig(64, 4, 2)
     assert decode_config(64, torch.float32) == DecodeConfig(64, 4, 2)
     assert decode_config(128, torch.bfloat16, 131072, page_size=16) == DecodeConfig(64, 4, 3, programs=4)
