@@ -93,21 +93,17 @@ def use_pdl(device: torch.device) -> bool:
 class DecodeConfig(NamedTuple):
     """Tile config of the split-KV kernel: ``block_n`` keys per tile, ``num_warps``, ``num_stages``
     (software-pipelined K/V tiles in flight); ``programs``: programs that share an SM where measured (0:
-    estimated from the shared memory of the K/V stages)."""
+    estimated from the shared memory of the K/V stages); ``maxnreg``: registers per thread the compiler may
+    use (0: its choice), where a config counts on ``programs`` that the registers would otherwise not let
+    in: pages of 64 in 64-key tiles took 143 registers on the H200 (three programs per SM, 156 µs at B=64
+    T=2k) where pages of 16 took 110 (four, 125 µs). (Capping every config that sets ``programs`` made pages
+    of one position 33% slower at B=64 T=8k.)"""
 
     block_n: int
     num_warps: int
     num_stages: int
     programs: int = 0
-
-    def max_registers(self) -> int:
-        """Registers per thread that let :attr:`programs` programs share an SM (64K registers; a multiple of
-        8, at most 255), passed to the compiler as ``maxnreg``; 0 (no cap) when :attr:`programs` is not set.
-        Without it the count is ptxas's choice: pages of 64 in 64-key tiles took 143 registers on the H200
-        (three programs per SM, 156 µs at B=64 T=2k) where pages of 16 took 110 (four, 125 µs)."""
-        if not self.programs:
-            return 0
-        return min(255, 65536 // (self.programs * self.num_warps * 32)) // 8 * 8
+    maxnreg: int = 0
 
     def programs_per_sm(self, head_dim: int, dtype: torch.dtype) -> int:
         """How many programs share an SM: :attr:`programs`, or the estimate from the K/V pipeline's shared
@@ -156,7 +152,7 @@ def table_pages(plan: DecodePlan, page_size: int) -> int:
 
 
 # 64-key tiles in two stages, four programs per SM (registers capped at 128): many sequences × KV heads
-FOUR_PER_SM = DecodeConfig(64, 4, 2, programs=4)
+FOUR_PER_SM = DecodeConfig(64, 4, 2, programs=4, maxnreg=128)  # 65536 registers / (4 programs x 128 threads)
 
 
 def decode_config(head_dim: int, dtype: torch.dtype, t_max: int | None = None, page_size: int = 0,
@@ -165,7 +161,7 @@ def decode_config(head_dim: int, dtype: torch.dtype, t_max: int | None = None, p
     stages in flight; 64-key tiles in two stages for caches of at most 512 positions, and for a 16-bit
     cache (dense, or paged through the register path) of at most 2048 with ``waves`` (sequences × KV heads
     per SM) of 3 or more, four programs per SM with their registers capped to fit
-    (:meth:`DecodeConfig.max_registers`; B=64 T=2k: 122.2 µs against 124.9-125.3 with 128-key tiles, one
+    (:data:`FOUR_PER_SM`; B=64 T=2k: 122.2 µs against 124.9-125.3 with 128-key tiles, one
     program per SM; B=16 T=2k, 1 wave: 39.6 against 34.4, B=64 T=8k: 468.7 against 467.2); 256-key tiles for a
     16-bit cache of head dim 64 from 32k positions on (the bytes of a 128 x 128 tile: at B=1 T=128k 66.3
     µs against 68.7 at the best split count of 128-key tiles, at B=16 T=32k 246 against 257).
@@ -177,7 +173,7 @@ def decode_config(head_dim: int, dtype: torch.dtype, t_max: int | None = None, p
     splits (512 programs, one wave of four per SM) against 148.2 at 48 (benchmarks/NOTES.md).
 
     >>> decode_config(128, torch.bfloat16, 131072, page_size=16)
-    DecodeConfig(block_n=64, num_warps=4, num_stages=3, programs=4)
+    DecodeConfig(block_n=64, num_warps=4, num_stages=3, programs=4, maxnreg=0)
     """
     if dtype == torch.float32:
         return DecodeConfig(64, 4, 2) if head_dim <= 128 else DecodeConfig(32, 4, 2)
@@ -201,7 +197,7 @@ def deterministic_plan(t_max: int, head_dim: int, dtype: torch.dtype, split_size
     Independent of the batch and the device, so a request's output is too.
 
     >>> deterministic_plan(100_000, 128, torch.bfloat16, 4096)
-    DecodePlan(config=DecodeConfig(block_n=128, num_warps=4, num_stages=3, programs=0), num_splits=25, tiles_per_split=32, deterministic=True, split_pages=0)
+    DecodePlan(config=DecodeConfig(block_n=128, num_warps=4, num_stages=3, programs=0, maxnreg=0), num_splits=25, tiles_per_split=32, deterministic=True, split_pages=0)
     """
     config = decode_config(head_dim, dtype)
     block_n = config.block_n

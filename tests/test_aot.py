@@ -69,8 +69,8 @@ def test_paged_tables_in_registers_keep_the_dense_pipeline(report):
 
 
 def test_register_cap_reaches_the_ptx(report):
-    """``DecodeConfig.max_registers``: a config that counts on four programs per SM compiles with
-    ``maxnreg`` 128, and the others without a cap."""
+    """``DecodeConfig.maxnreg``: the config that counts on four programs per SM (``FOUR_PER_SM``) compiles
+    with ``maxnreg`` 128, and the others without a cap."""
     specs = [s for s in report["specs"] if s["kernel"] == "_split_kv_kernel"]
     capped = [s for s in specs if s["options"].get("maxnreg")]
     assert capped

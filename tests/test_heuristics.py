@@ -24,16 +24,17 @@ def test_decode_configs():
     assert decode_config(128, torch.bfloat16) == DecodeConfig(128, 4, 3)
     assert decode_config(128, torch.bfloat16, 512) == DecodeConfig(64, 4, 2)
     # many short sequences (3 waves of sequences x KV heads or more): three programs per SM
-    assert decode_config(128, torch.bfloat16, 2048, waves=512 / 132) == DecodeConfig(64, 4, 2, programs=4)
+    assert decode_config(128, torch.bfloat16, 2048, waves=512 / 132) == FOUR_PER_SM
     assert decode_config(128, torch.bfloat16, 2048, waves=128 / 132) == DecodeConfig(128, 4, 3)
     assert decode_config(128, torch.bfloat16, 8192, waves=512 / 132) == DecodeConfig(128, 4, 3)
     assert decode_config(128, torch.bfloat16, 2048, waves=512 / 132, kv_dtype=torch.float8_e4m3fn).block_n == 128
     # many short sequences: four programs per SM, 128 registers each, for a dense cache and the paged one
-    assert decode_plan(64, 8, 2048, 128, torch.bfloat16, 132).config == DecodeConfig(64, 4, 2, programs=4)
+    assert decode_plan(64, 8, 2048, 128, torch.bfloat16, 132).config == FOUR_PER_SM
     for page_size in (16, 64):
         plan = decode_plan(64, 8, 2048, 128, torch.bfloat16, 132, page_size=page_size)
-        assert plan.config == DecodeConfig(64, 4, 2, programs=4) and plan.config.max_registers() == 128
-    assert decode_config(128, torch.bfloat16, 512, waves=4).max_registers() == 0  # short caches: no cap
+        assert plan.config == FOUR_PER_SM and plan.config.maxnreg == 128
+    assert decode_config(128, torch.bfloat16, 512, waves=4).maxnreg == 0  # short caches: no cap
+    assert decode_config(128, torch.bfloat16, 131072, page_size=1).maxnreg == 0  # capped: 33% slower at B=64 8k
     # pages of 16 at 3 waves and more: four programs per SM at every length (capped splits at 128k)
     assert decode_plan(64, 8, 8192, 128, torch.bfloat16, 132, page_size=16)[:3] == (FOUR_PER_SM, 1, 128)
     assert decode_plan(64, 8, 131072, 128, torch.bfloat16, 132, page_size=16)[:] == (FOUR_PER_SM, 4, 512, False,

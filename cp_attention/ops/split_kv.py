@@ -277,8 +277,8 @@ def split_kv_options(config, pdl: bool) -> dict:
     """Triton launch options of the split-KV kernel for a :class:`~cp_attention.heuristics.DecodeConfig`:
     its warps and stages, its register cap (``maxnreg``, where the config sets one) and ``launch_pdl``."""
     options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
-    if config.max_registers():
-        options["maxnreg"] = config.max_registers()
+    if config.maxnreg:
+        options["maxnreg"] = config.maxnreg
     return pdl_options(pdl, **options)
 
 
