@@ -22,8 +22,8 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["num_splits", "num_sms", "use_pdl", "DecodeConfig", "DecodePlan", "FOUR_PER_SM", "decode_config", "decode_plan",
-           "deterministic_plan", "PrefixConfig", "PrefixPlan", "prefix_config", "prefix_plan", "REFERENCE_SMS"]
+__all__ = ["num_splits", "num_sms", "use_pdl", "DecodeConfig", "DecodePlan", "FOUR_PER_SM", "decode_config",
+           "decode_plan", "deterministic_plan", "PrefixConfig", "PrefixPlan", "prefix_config", "prefix_plan", "REFERENCE_SMS"]
 
 # CPU tensors (the Triton interpreter) are planned as for the H200 the defaults were tuned on, so the
 # interpreter runs the split layouts the GPU runs.
@@ -235,12 +235,12 @@ def decode_plan(batch: int, num_kv_heads: int, t_max: int, head_dim: int, dtype:
     >>> decode_plan(16, 8, 131072, 128, torch.bfloat16, 132, page_size=16)[1:]  # one split of 1024 tiles, capped
     (4, 256, False, 2048)
     """
+    waves = batch * num_kv_heads / num_sms
     if page_size and aligned and config is None:
-        waves = batch * num_kv_heads / num_sms
-        if page_size < 64 and waves >= 3 and (kv_dtype or dtype).itemsize == 2:
-            config = FOUR_PER_SM  # (a tile's pages gathered: its barrier hidden by the other programs)
-        dense = decode_plan(batch, num_kv_heads, t_max, head_dim, dtype, num_sms, splits, config, kv_dtype)
-        config = None
+        # pages of less than 64: a tile's pages gathered, its barrier hidden by the other programs
+        gathered = page_size < 64 and waves >= 3 and (kv_dtype or dtype).itemsize == 2
+        dense = decode_plan(batch, num_kv_heads, t_max, head_dim, dtype, num_sms, splits,
+                            FOUR_PER_SM if gathered else None, kv_dtype)
         block_n = dense.config.block_n
         capped = (MAX_SPLIT_PAGES - (page_size > block_n)) * page_size // block_n  # a mid-page start: one more
         if not table_pages(dense, page_size) and capped >= MIN_CAPPED_TILES and splits is None:
@@ -250,7 +250,7 @@ def decode_plan(batch: int, num_kv_heads: int, t_max: int, head_dim: int, dtype:
         pages = table_pages(dense, page_size)
         if pages:
             return dense._replace(split_pages=pages)
-    config = config or decode_config(head_dim, dtype, t_max, page_size, kv_dtype, batch * num_kv_heads / num_sms)
+    config = config or decode_config(head_dim, dtype, t_max, page_size, kv_dtype, waves)
     n_blocks = max(1, math.ceil(t_max / config.block_n))
     if splits is None:
         work = batch * num_kv_heads

@@ -23,7 +23,7 @@ def test_num_sms_of_a_cpu_device_is_the_reference():
 def test_decode_configs():
     assert decode_config(128, torch.bfloat16) == DecodeConfig(128, 4, 3)
     assert decode_config(128, torch.bfloat16, 512) == DecodeConfig(64, 4, 2)
-    # many short sequences (3 waves of sequences x KV heads or more): three programs per SM
+    # many short sequences (3 waves of sequences x KV heads or more): four programs per SM
     assert decode_config(128, torch.bfloat16, 2048, waves=512 / 132) == FOUR_PER_SM
     assert decode_config(128, torch.bfloat16, 2048, waves=128 / 132) == DecodeConfig(128, 4, 3)
     assert decode_config(128, torch.bfloat16, 8192, waves=512 / 132) == DecodeConfig(128, 4, 3)

@@ -304,6 +304,7 @@ def export_floats(batch: int, hkv: int, tiling: RowTiling, head_dim: int, num_sp
 
 def _aot_spec(group, q_rows, export, page_size=0, causal=False, row_limits=False, block_n=128, kv="bf16",
               kv_scale=0, window=False, softcap=False, sinks=False, head_dim=128, split_pages=0, config=None):
+    config = config or DecodeConfig(block_n, 4, 3)
     tiling = row_tiling(q_rows, group)
     return {
         "kernel": _split_kv_kernel,
@@ -312,11 +313,11 @@ def _aot_spec(group, q_rows, export, page_size=0, causal=False, row_limits=False
                       "LSE": "*fp32", "WORK": "*fp32", "sm_scale": "fp32", "k_scale": "fp32",
                       "v_scale": "fp32", "cap": "fp32"},
         "constexprs": dict(GROUP_SIZE=group, Q_ROWS=q_rows, HEAD_DIM=head_dim, PAGE_SIZE=max(page_size, 1),
-                           BLOCK_H=tiling.block_h, BLOCK_N=block_n, BLOCK_D=head_dim, HAS_SEQ_LENS=True,
+                           BLOCK_H=tiling.block_h, BLOCK_N=config.block_n, BLOCK_D=head_dim, HAS_SEQ_LENS=True,
                            IS_PAGED=page_size > 0, IS_CAUSAL=causal, HAS_ROW_LIMITS=row_limits,
                            HAS_WINDOW=window, SOFTCAP=softcap, HAS_SINKS=sinks and not export, KV_SCALE=kv_scale,
                            EXPORT=export, INPUT_PRECISION="tf32", UPCAST=False, SPLIT_PAGES=split_pages, PDL=True),
-        "options": split_kv_options(config or DecodeConfig(block_n, 4, 3), pdl=True),
+        "options": split_kv_options(config, pdl=True),
     }
 
 
@@ -337,8 +338,8 @@ AOT_SPECS = [_aot_spec(4, 1, True), _aot_spec(5, 1, False), _aot_spec(8, 1, True
              _aot_spec(4, 1, True, block_n=256, head_dim=64),
              _aot_spec(4, 1, True, page_size=16, split_pages=2048), _aot_spec(4, 1, False, page_size=256, split_pages=16),
              _aot_spec(4, 4, True, page_size=64, causal=True, kv="fp8e4nv", kv_scale=2, split_pages=2048),
-             _aot_spec(4, 1, False, page_size=64, block_n=64, split_pages=32, config=FOUR_PER_SM),
-             _aot_spec(4, 1, True, page_size=16, block_n=64, split_pages=2048, config=FOUR_PER_SM)] + [
+             _aot_spec(4, 1, False, page_size=64, split_pages=32, config=FOUR_PER_SM),
+             _aot_spec(4, 1, True, page_size=16, split_pages=2048, config=FOUR_PER_SM)] + [
     {"kernel": _combine_kernel, "signature": {"WORK": "*fp32", "SINKS": "*fp32", "O": "*bf16", "LSE": "*fp32"},
      "constexprs": cfg[0], "options": cfg[1]}
     for cfg in (combine_launch_config(4, 1, 128, True, 16, pdl=True),
