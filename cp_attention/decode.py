@@ -200,7 +200,8 @@ def _prepare(q, k, v, seq_lens, block_table, row_limits, sinks, scales, num_spli
         reach = geo.t_max if window_left is None else min(geo.t_max, window_left + geo.q_rows)
         reach = reach if span is None else min(reach, span)
         plan = decode_plan(b, geo.hkv, reach, d, q.dtype, num_sms(q.device), num_splits, kv_dtype=k.dtype,
-                           page_size=geo.page_size, aligned=window_left is None and row_limits is None)
+                           page_size=geo.page_size, aligned=window_left is None and row_limits is None,
+                           rows=geo.q_rows * (hq // geo.hkv))
     ks, vs = k.stride(), v.stride()
     # The kernel reads k/v through (batch or page, KV head, position or slot) strides.
     if kv_layout == "NHD":

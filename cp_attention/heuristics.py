@@ -22,8 +22,9 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["num_splits", "num_sms", "use_pdl", "DecodeConfig", "DecodePlan", "FOUR_PER_SM", "decode_config",
-           "decode_plan", "deterministic_plan", "PrefixConfig", "PrefixPlan", "prefix_config", "prefix_plan", "REFERENCE_SMS"]
+__all__ = ["num_splits", "num_sms", "use_pdl", "DecodeConfig", "DecodePlan", "FOUR_PER_SM", "FP8_TWO_WARPS",
+           "decode_config", "decode_plan", "deterministic_plan", "PrefixConfig", "PrefixPlan", "prefix_config",
+           "prefix_plan", "REFERENCE_SMS"]
 
 # CPU tensors (the Triton interpreter) are planned as for the H200 the defaults were tuned on, so the
 # interpreter runs the split layouts the GPU runs.
@@ -153,10 +154,14 @@ def table_pages(plan: DecodePlan, page_size: int) -> int:
 
 # 64-key tiles in two stages, four programs per SM (registers capped at 128): many sequences × KV heads
 FOUR_PER_SM = DecodeConfig(64, 4, 2, programs=4, maxnreg=128)  # 65536 registers / (4 programs x 128 threads)
+# FP8 caches: 64-key tiles, two warps, three stages, four programs per SM (39 KB of shared memory, 244-248
+# registers on sm_90 without spills for query tiles of up to 16 rows; 64 rows spill)
+FP8_TWO_WARPS = DecodeConfig(64, 2, 3, programs=4)
 
 
 def decode_config(head_dim: int, dtype: torch.dtype, t_max: int | None = None, page_size: int = 0,
-                  kv_dtype: torch.dtype | None = None, waves: float = 0.0) -> DecodeConfig:
+                  kv_dtype: torch.dtype | None = None, waves: float = 0.0, rows: int = 1,
+                  table: bool = False) -> DecodeConfig:
     """The split-KV kernel's tile config, tuned on the H200 (benchmarks/NOTES.md): 128-key tiles with three
     stages in flight; 64-key tiles in two stages for caches of at most 512 positions, and for a 16-bit
     cache (dense, or paged through the register path) of at most 2048 with ``waves`` (sequences × KV heads
@@ -165,6 +170,15 @@ def decode_config(head_dim: int, dtype: torch.dtype, t_max: int | None = None, p
     program per SM; B=16 T=2k, 1 wave: 39.6 against 34.4, B=64 T=8k: 468.7 against 467.2); 256-key tiles for a
     16-bit cache of head dim 64 from 32k positions on (the bytes of a 128 x 128 tile: at B=1 T=128k 66.3
     µs against 68.7 at the best split count of 128-key tiles, at B=16 T=32k 246 against 257).
+
+    An FP8 cache of more than 512 positions, head dim 65-128, read by query tiles of at most 16 rows
+    (``rows``: query rows per KV head, Q x GQA) takes :data:`FP8_TWO_WARPS`, unless ``table`` (the paged
+    register path, whose block-table entries share the registers: 2048 entries on 4 causal rows spill at
+    two warps; not measured there). The FP8 loop is bound by the latency of each tile's chain (the
+    conversions' shared-memory round trips, cross-warp reductions), not by bytes or issue: two warps a
+    program halve the cross-warp work and four programs per SM overlap the chains. H200, graph µs, e4m3:
+    B=1 T=128k 77.3 against 86.4 with 128 x 4 x 3, B=64 T=8k 301.5 against 322.5, B=16 T=32k 300.8
+    against 324.6 (benchmarks/NOTES.md, tenth round).
 
     ``page_size`` > 0 (a paged cache): 64-key tiles, of which four programs share an SM (126 registers
     per thread, 39 KB of shared memory: Triton's pipeliner gives the block-table load of a tile a stage of
@@ -184,6 +198,8 @@ def decode_config(head_dim: int, dtype: torch.dtype, t_max: int | None = None, p
         return FOUR_PER_SM
     if t_max is not None and t_max <= 512:
         return DecodeConfig(64, 4, 2)
+    if (kv_dtype or dtype).itemsize == 1 and head_dim > 64 and rows <= 16 and not page_size and not table:
+        return FP8_TWO_WARPS
     if page_size:
         return DecodeConfig(64, 4, 3, programs=4 if page_size > 1 else 3)
     if head_dim <= 64 and t_max is not None and t_max >= 32768 and (kv_dtype or dtype).itemsize == 2:
@@ -210,7 +226,8 @@ def deterministic_plan(t_max: int, head_dim: int, dtype: torch.dtype, split_size
 @functools.lru_cache(maxsize=4096)
 def decode_plan(batch: int, num_kv_heads: int, t_max: int, head_dim: int, dtype: torch.dtype,
                 num_sms: int, splits: int | None = None, config: DecodeConfig | None = None,
-                kv_dtype: torch.dtype | None = None, page_size: int = 0, aligned: bool = True) -> DecodePlan:
+                kv_dtype: torch.dtype | None = None, page_size: int = 0, aligned: bool = True,
+                rows: int = 1) -> DecodePlan:
     """The plan of a decode over ``batch * num_kv_heads`` (sequence, KV head) pairs and a cache of
     capacity ``t_max``, on a device with ``num_sms`` SMs.
 
@@ -227,6 +244,8 @@ def decode_plan(batch: int, num_kv_heads: int, t_max: int, head_dim: int, dtype:
     on the H200 in three interleaved rounds: 482.5-483.5 against 501.5-515.0 at T=8k, 7660.5-7662.6 against
     7756.8-7763.1 at 128k) (:func:`table_pages`; ``aligned``: the splits start on a tile, i.e. no window and no
     row limits), with its splits capped to fit where they do not (:data:`MIN_CAPPED_TILES`), else :func:`decode_config`'s paged config, one table entry per key.
+    ``rows``: query rows per KV head in a program's tile (query rows x GQA group), for
+    :func:`decode_config`.
 
     >>> decode_plan(1, 8, 131072, 128, torch.bfloat16, 132).num_splits
     16
@@ -240,7 +259,8 @@ def decode_plan(batch: int, num_kv_heads: int, t_max: int, head_dim: int, dtype:
         # pages of less than 64: a tile's pages gathered, its barrier hidden by the other programs
         gathered = page_size < 64 and waves >= 3 and (kv_dtype or dtype).itemsize == 2
         dense = decode_plan(batch, num_kv_heads, t_max, head_dim, dtype, num_sms, splits,
-                            FOUR_PER_SM if gathered else None, kv_dtype)
+                            FOUR_PER_SM if gathered else decode_config(head_dim, dtype, t_max, 0, kv_dtype, waves,
+                                                                       rows, table=True), kv_dtype)
         block_n = dense.config.block_n
         capped = (MAX_SPLIT_PAGES - (page_size > block_n)) * page_size // block_n  # a mid-page start: one more
         if not table_pages(dense, page_size) and capped >= MIN_CAPPED_TILES and splits is None:
@@ -250,7 +270,7 @@ def decode_plan(batch: int, num_kv_heads: int, t_max: int, head_dim: int, dtype:
         pages = table_pages(dense, page_size)
         if pages:
             return dense._replace(split_pages=pages)
-    config = config or decode_config(head_dim, dtype, t_max, page_size, kv_dtype, waves)
+    config = config or decode_config(head_dim, dtype, t_max, page_size, kv_dtype, waves, rows)
     n_blocks = max(1, math.ceil(t_max / config.block_n))
     if splits is None:
         work = batch * num_kv_heads

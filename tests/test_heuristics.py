@@ -5,8 +5,9 @@ import math
 import pytest
 import torch
 
-from cp_attention.heuristics import (FOUR_PER_SM, REFERENCE_SMS, DecodeConfig, PrefixConfig, decode_config,
-                                     decode_plan, num_sms, num_splits, prefix_config, prefix_num_splits, prefix_plan)
+from cp_attention.heuristics import (FOUR_PER_SM, FP8_TWO_WARPS, REFERENCE_SMS, DecodeConfig, PrefixConfig,
+                                      decode_config, decode_plan, num_sms, num_splits, prefix_config,
+                                      prefix_num_splits, prefix_plan)
 
 
 def test_fa2_split_table():
@@ -27,7 +28,15 @@ def test_decode_configs():
     assert decode_config(128, torch.bfloat16, 2048, waves=512 / 132) == FOUR_PER_SM
     assert decode_config(128, torch.bfloat16, 2048, waves=128 / 132) == DecodeConfig(128, 4, 3)
     assert decode_config(128, torch.bfloat16, 8192, waves=512 / 132) == DecodeConfig(128, 4, 3)
-    assert decode_config(128, torch.bfloat16, 2048, waves=512 / 132, kv_dtype=torch.float8_e4m3fn).block_n == 128
+    # FP8 caches: two warps a program, four programs per SM, for query tiles of up to 16 rows, dense only
+    fp8 = torch.float8_e4m3fn
+    assert decode_config(128, torch.bfloat16, 2048, waves=512 / 132, kv_dtype=fp8) == FP8_TWO_WARPS
+    assert decode_config(128, torch.bfloat16, 131072, kv_dtype=fp8, rows=16) == FP8_TWO_WARPS
+    assert decode_config(128, torch.bfloat16, 131072, kv_dtype=fp8, rows=32) == DecodeConfig(128, 4, 3)
+    assert decode_config(128, torch.bfloat16, 131072, kv_dtype=fp8, table=True) == DecodeConfig(128, 4, 3)
+    assert decode_config(128, torch.bfloat16, 512, kv_dtype=fp8) == DecodeConfig(64, 4, 2)
+    assert decode_plan(1, 8, 131072, 128, torch.bfloat16, 132, kv_dtype=fp8)[:3] == (FP8_TWO_WARPS, 64, 32)
+    assert decode_plan(1, 8, 131072, 128, torch.bfloat16, 132, kv_dtype=fp8, rows=64).config.num_warps == 4
     # many short sequences: four programs per SM, 128 registers each, for a dense cache and the paged one
     assert decode_plan(64, 8, 2048, 128, torch.bfloat16, 132).config == FOUR_PER_SM
     for page_size in (16, 64):
@@ -41,7 +50,7 @@ def test_decode_configs():
                                                                                     2048)
     assert decode_plan(64, 8, 8192, 128, torch.bfloat16, 132, page_size=64).config == DecodeConfig(128, 4, 3)
     assert decode_plan(16, 8, 8192, 128, torch.bfloat16, 132, page_size=16).config == DecodeConfig(128, 4, 3)
-    assert decode_plan(64, 8, 8192, 128, torch.bfloat16, 132, kv_dtype=torch.float8_e4m3fn,
+    assert decode_plan(64, 8, 8192, 128, torch.bfloat16, 132, kv_dtype=fp8,
                        page_size=16).config.block_n == 128
     assert decode_config(256, torch.float16) == DecodeConfig(64, 4, 2)
     assert decode_config(64, torch.float32) == DecodeConfig(64, 4, 2)
