@@ -154,8 +154,8 @@ def table_pages(plan: DecodePlan, page_size: int) -> int:
 
 # 64-key tiles in two stages, four programs per SM (registers capped at 128): many sequences × KV heads
 FOUR_PER_SM = DecodeConfig(64, 4, 2, programs=4, maxnreg=128)  # 65536 registers / (4 programs x 128 threads)
-# FP8 caches: 64-key tiles, two warps, three stages, four programs per SM (39 KB of shared memory, 244-248
-# registers on sm_90 without spills for query tiles of up to 16 rows; 64 rows spill)
+# FP8 caches: 64-key tiles, two warps, three stages, four programs per SM (39-45 KB of shared memory, 244-255
+# registers on sm_90 without spills for query tiles of up to 32 rows; 64 rows spill)
 FP8_TWO_WARPS = DecodeConfig(64, 2, 3, programs=4)
 
 
@@ -171,14 +171,16 @@ def decode_config(head_dim: int, dtype: torch.dtype, t_max: int | None = None, p
     16-bit cache of head dim 64 from 32k positions on (the bytes of a 128 x 128 tile: at B=1 T=128k 66.3
     µs against 68.7 at the best split count of 128-key tiles, at B=16 T=32k 246 against 257).
 
-    An FP8 cache of more than 512 positions, head dim 65-128, read by query tiles of at most 16 rows
+    An FP8 cache of more than 512 positions, head dim 65-128, read by query tiles of at most 32 rows
     (``rows``: query rows per KV head, Q x GQA) takes :data:`FP8_TWO_WARPS`, unless ``table`` (the paged
     register path, whose block-table entries share the registers: 2048 entries on 4 causal rows spill at
     two warps; not measured there). The FP8 loop is bound by the latency of each tile's chain (the
     conversions' shared-memory round trips, cross-warp reductions), not by bytes or issue: two warps a
     program halve the cross-warp work and four programs per SM overlap the chains. H200, graph µs, e4m3:
     B=1 T=128k 77.3 against 86.4 with 128 x 4 x 3, B=64 T=8k 301.5 against 322.5, B=16 T=32k 300.8
-    against 324.6 (benchmarks/NOTES.md, tenth round).
+    against 324.6; GQA 7 (28/4/128) B=1 T=128k 45.8 against 61.2; eight draft rows (32 rows a tile) B=1
+    T=128k 114.6 against 124.1; sixteen (64 rows) keep 128 x 4 x 3 (128.3 against 148.2-158.5 with 64-key
+    tiles of four warps) (benchmarks/NOTES.md, tenth round).
 
     ``page_size`` > 0 (a paged cache): 64-key tiles, of which four programs share an SM (126 registers
     per thread, 39 KB of shared memory: Triton's pipeliner gives the block-table load of a tile a stage of
@@ -198,7 +200,7 @@ def decode_config(head_dim: int, dtype: torch.dtype, t_max: int | None = None, p
         return FOUR_PER_SM
     if t_max is not None and t_max <= 512:
         return DecodeConfig(64, 4, 2)
-    if (kv_dtype or dtype).itemsize == 1 and head_dim > 64 and rows <= 16 and not page_size and not table:
+    if (kv_dtype or dtype).itemsize == 1 and head_dim > 64 and rows <= 32 and not page_size and not table:
         return FP8_TWO_WARPS
     if page_size:
         return DecodeConfig(64, 4, 3, programs=4 if page_size > 1 else 3)

@@ -28,11 +28,11 @@ def test_decode_configs():
     assert decode_config(128, torch.bfloat16, 2048, waves=512 / 132) == FOUR_PER_SM
     assert decode_config(128, torch.bfloat16, 2048, waves=128 / 132) == DecodeConfig(128, 4, 3)
     assert decode_config(128, torch.bfloat16, 8192, waves=512 / 132) == DecodeConfig(128, 4, 3)
-    # FP8 caches: two warps a program, four programs per SM, for query tiles of up to 16 rows, dense only
+    # FP8 caches: two warps a program, four programs per SM, for query tiles of up to 32 rows, dense only
     fp8 = torch.float8_e4m3fn
     assert decode_config(128, torch.bfloat16, 2048, waves=512 / 132, kv_dtype=fp8) == FP8_TWO_WARPS
-    assert decode_config(128, torch.bfloat16, 131072, kv_dtype=fp8, rows=16) == FP8_TWO_WARPS
-    assert decode_config(128, torch.bfloat16, 131072, kv_dtype=fp8, rows=32) == DecodeConfig(128, 4, 3)
+    assert decode_config(128, torch.bfloat16, 131072, kv_dtype=fp8, rows=32) == FP8_TWO_WARPS
+    assert decode_config(128, torch.bfloat16, 131072, kv_dtype=fp8, rows=64) == DecodeConfig(128, 4, 3)
     assert decode_config(128, torch.bfloat16, 131072, kv_dtype=fp8, table=True) == DecodeConfig(128, 4, 3)
     assert decode_config(128, torch.bfloat16, 512, kv_dtype=fp8) == DecodeConfig(64, 4, 2)
     assert decode_plan(1, 8, 131072, 128, torch.bfloat16, 132, kv_dtype=fp8)[:3] == (FP8_TWO_WARPS, 64, 32)

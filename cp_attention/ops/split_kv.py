@@ -327,7 +327,7 @@ def _aot_spec(group, q_rows, export, page_size=0, causal=False, row_limits=False
 # variants: a window with sinks (split and not), a softcap on 4 causal rows, 64-key tiles split, head dim 64
 # in 256-key tiles; paged tables in registers (2048 entries of 16, pages of 256, 2048 FP8 pages of 64 with 4
 # causal rows; four programs per SM, registers capped at 128: 32 pages of 64, 2048 of 16 split; FP8 in two
-# warps: e4m3 split, e5m2 with per-head scales on 4 causal rows);
+# warps: e4m3 split, e5m2 with per-head scales on 8 causal rows);
 # and the combine, with the policy's split count and with the deterministic splits.
 AOT_SPECS = [_aot_spec(4, 1, True), _aot_spec(5, 1, False), _aot_spec(8, 1, True),
              _aot_spec(4, 1, True, page_size=16, block_n=64), _aot_spec(4, 1, False, page_size=64, block_n=64),
@@ -342,7 +342,7 @@ AOT_SPECS = [_aot_spec(4, 1, True), _aot_spec(5, 1, False), _aot_spec(8, 1, True
              _aot_spec(4, 1, False, page_size=64, split_pages=32, config=FOUR_PER_SM),
              _aot_spec(4, 1, True, page_size=16, split_pages=2048, config=FOUR_PER_SM),
              _aot_spec(4, 1, True, kv="fp8e4nv", kv_scale=1, config=FP8_TWO_WARPS),
-             _aot_spec(4, 4, False, causal=True, kv="fp8e5", kv_scale=2, config=FP8_TWO_WARPS)] + [
+             _aot_spec(4, 8, False, causal=True, kv="fp8e5", kv_scale=2, config=FP8_TWO_WARPS)] + [
     {"kernel": _combine_kernel, "signature": {"WORK": "*fp32", "SINKS": "*fp32", "O": "*bf16", "LSE": "*fp32"},
      "constexprs": cfg[0], "options": cfg[1]}
     for cfg in (combine_launch_config(4, 1, 128, True, 16, pdl=True),
