@@ -2,13 +2,9 @@
 float64 oracle on the dequantised values (kernels under the interpreter on the CPU)."""
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 from cp_attention import AttentionState, CascadeLevel, cascade_decode, flash_decode, quantize_kv
 from cp_attention.reference import attention
-
-from cp_attention.ops._state import pair_entries, pair_rows, pair_values, pair_weights, unpair_state
 
 from .conftest import DEVICE, assert_state_matches
 from .test_paged import dense_cache, page_pool
@@ -66,8 +62,7 @@ def test_quantize_kv_ignores_garbage_and_zeros():
 
 
 FP8_CASES = [
-    # (fp8 dtype, per-head, layout or "paged", Q rows, float scales, head dim); GQA 4: up to 2 rows the
-    # kernel pairs the value dims (Note [FP8 values in pairs]), from 3 on it does not
+    # (fp8 dtype, per-head, layout or "paged", Q rows, float scales, head dim)
     (torch.float8_e4m3fn, False, "HND", 1, False, 64),
     (torch.float8_e4m3fn, True, "NHD", 1, True, 64),
     (torch.float8_e5m2, True, "HND", 3, False, 64),
@@ -103,37 +98,6 @@ def test_fp8_decode_against_the_dequantised_oracle(dtype8, per_head, layout, q_r
             got = flash_decode(q, k8, v8, sl, k_scale=ks, v_scale=vs, num_splits=splits, return_lse=True)
         assert got.o.dtype == torch.bfloat16
         assert_state_matches(got, ref, q.dtype)
-
-
-@triton.jit
-def _paired_pv_kernel(P, V, L, O, LSE, M: tl.constexpr, N: tl.constexpr, D: tl.constexpr, WARPS: tl.constexpr):
-    o_m = tl.arange(0, M)
-    o_n = tl.arange(0, N)
-    o_d = tl.arange(0, D)
-    p = pair_rows(tl.load(P + o_m[:, None] * N + o_n[None, :]))
-    v = tl.load(V + o_n[:, None] * D + o_d[None, :])
-    acc = tl.dot(pair_weights(p), pair_values(v, WARPS).to(tl.float16))
-    o, lse = unpair_state(acc, pair_entries(tl.load(L + o_m)), M, D, WARPS)
-    tl.store(O + o_m[:, None] * D + o_d[None, :], o)
-    tl.store(LSE + o_m, lse)
-
-
-@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
-@pytest.mark.parametrize("warps", [1, 2, 4, 8])
-def test_values_in_pairs_give_p_at_v(head_dim, warps):
-    """Note [FP8 values in pairs]: the doubled rows, the zero-interleaved weights and the permuted value
-    columns give ``p @ v`` in the original column order, for every warp count the permutation assumes
-    (more warps than ``D / 16`` included), and each row's lse (the rows of a pair carry the same one)."""
-    g = torch.Generator().manual_seed(21)
-    m, n = 8, 16
-    p = torch.rand(m, n, generator=g).half().to(DEVICE)
-    v = (torch.randn(n, head_dim, generator=g) * 4).to(torch.float8_e4m3fn).to(DEVICE)
-    lse = torch.randn(m, generator=g).to(DEVICE)
-    o = torch.full((m, head_dim), float("nan"), device=DEVICE)
-    lse_out = torch.full((m,), float("nan"), device=DEVICE)
-    _paired_pv_kernel[(1,)](p, v, lse, o, lse_out, M=m, N=n, D=head_dim, WARPS=warps, num_warps=warps)
-    torch.testing.assert_close(o.double(), p.double() @ v.double(), rtol=1e-5, atol=1e-5)
-    assert torch.equal(lse_out, lse)
 
 
 @pytest.mark.parametrize("exp", [-40, 20, 100])

@@ -34,21 +34,6 @@ tensor cores, and ``o`` is normalised by the sum of the *rounded* weights, so it
 of the values (``|o| <= max |v|``: an fp16 cache of 65504s gives 65504, not inf); the lse sums the
 unrounded weights, so it stays exact to fp32.
 
-Note [FP8 values in pairs]
---------------------------
-``p @ v`` reduces over keys, and the tensor cores take each thread's operand as adjacent elements of the
-reduction: for a 16-bit V tile ``ldmatrix.trans`` gathers them, but an FP8 tile has no 8-bit transposing
-load on sm_90, so its values reached the ``mma`` as single-byte shared-memory loads and byte packing (128
-loads per thread per 64-key tile in two warps, the bulk of the loop's shared-memory waits). Pairing the value
-dims removes them: with rows ``(r, e)`` (each query row twice) and the reduction over ``(key c, parity e)``,
-``o[(r, e'), j] = sum_{c, e} p2[(r, e'), (c, e)] v2[(c, e), j]`` where ``p2 = p[r, c]`` if ``e == e'`` else 0 and
-``v2[(c, e), j] = v[c, 2 j + e]`` gives ``o[r, 2 j + e']``: the two values of a reduction pair are adjacent
-bytes of one key. The value columns are also permuted (:func:`pair_values`) so that a thread's pairs are
-8 bytes in a row. The sm_90 loop of 64-key FP8 tiles in two warps (a stripped kernel, Triton 3.6): 16
-``LDS.64`` for V instead of 128 ``LDS.U8``, 753 instructions instead of 945, 122 registers instead of 200.
-The ``mma`` count is unchanged for query tiles of up to 8 rows (doubled to the 16 of one ``mma``; the
-value dims halve), so the split kernel pairs FP8 tiles of at most 8 rows.
-
 Note [Paged tiles from registers]
 --------------------------------
 A paged tile's K/V addresses depend on block-table entries. Loaded inside the loop (one entry per key),
@@ -189,8 +174,7 @@ def attend_tiles(b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt, p_bt, stri
                  num_pages, t_start, t_end, qk_scale, cap, o_d, m_d,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
                  IS_PAGED: tl.constexpr, HAS_ROW_LO: tl.constexpr, HAS_ROW_HI: tl.constexpr, SOFTCAP: tl.constexpr,
-                 INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT_PAGES: tl.constexpr = 0,
-                 PAIR_V: tl.constexpr = 0):
+                 INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT_PAGES: tl.constexpr = 0):
     """Level 1: the query rows ``b_q [BLOCK_M, BLOCK_D]`` attend to the keys ``[t_start, t_end)`` of one KV
     head, ``BLOCK_N`` keys per tile through ``tl.dot``, with the online softmax. In a dense cache key ``t``
     is at ``p_k + t * stride_kt + o_d``; in a page pool (``IS_PAGED``) at ``p_k + page * stride_kp + (t %
@@ -206,22 +190,7 @@ def attend_tiles(b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt, p_bt, stri
     ``BLOCK_N``; at most ``SPLIT_PAGES`` pages in the range): the range's block-table entries are loaded
     once, before the loop, into registers; a tile's pages are picked from them by arithmetic, so no load
     inside the loop feeds a K/V address (Note [Paged tiles from registers]).
-
-    ``PAIR_V`` > 0 (FP8 caches, the program's warps): ``p @ v`` runs over (key, value-dim parity) pairs, every
-    row doubled (Note [FP8 values in pairs]); the result is the same state.
     """
-    if PAIR_V:  # Note [FP8 values in pairs]: row 2 r + e is row r, for value dims of parity e
-        b_q = pair_rows(b_q)
-        qk_scale = pair_rows(qk_scale * tl.full([BLOCK_M, 1], 1.0, tl.float32))
-        if HAS_ROW_LO:
-            row_lo = pair_entries(row_lo)
-        if HAS_ROW_HI:
-            row_hi = pair_entries(row_hi)
-        ROWS: tl.constexpr = 2 * BLOCK_M
-        acc = tl.zeros([ROWS, BLOCK_D // 2], tl.float32)
-    else:
-        ROWS: tl.constexpr = BLOCK_M
-        acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
     if SPLIT_PAGES > 0:
         o_pg = tl.arange(0, SPLIT_PAGES)
         pg0 = t_start // PAGE_SIZE
@@ -229,27 +198,26 @@ def attend_tiles(b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt, p_bt, stri
     else:
         pg0 = 0
         pages = tl.zeros([1], tl.int32)
-    m_i = tl.full([ROWS], float("-inf"), tl.float32)
-    l_i = tl.zeros([ROWS], tl.float32)  # sum of the weights: the lse
-    r_i = tl.zeros([ROWS], tl.float32)  # sum of the rounded weights: normalises o
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)  # sum of the weights: the lse
+    r_i = tl.zeros([BLOCK_M], tl.float32)  # sum of the rounded weights: normalises o
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     if INTERPRET:  # Note [Loops under the interpreter]
         t0 = t_start
         while t0 < t_end:
             m_i, l_i, r_i, acc = attend_tile(m_i, l_i, r_i, acc, b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt,
                                              p_bt, stride_btp, stride_kp, stride_vp, num_pages, t0, t_end, qk_scale,
                                              cap, o_d, m_d, pages, pg0, BLOCK_N, PAGE_SIZE, IS_PAGED, HAS_ROW_LO,
-                                             HAS_ROW_HI, SOFTCAP, INPUT_PRECISION, UPCAST, SPLIT_PAGES, PAIR_V)
+                                             HAS_ROW_HI, SOFTCAP, INPUT_PRECISION, UPCAST, SPLIT_PAGES)
             t0 += BLOCK_N
     else:
         for t0 in range(t_start, t_end, BLOCK_N):
             m_i, l_i, r_i, acc = attend_tile(m_i, l_i, r_i, acc, b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt,
                                              p_bt, stride_btp, stride_kp, stride_vp, num_pages, t0, t_end, qk_scale,
                                              cap, o_d, m_d, pages, pg0, BLOCK_N, PAGE_SIZE, IS_PAGED, HAS_ROW_LO,
-                                             HAS_ROW_HI, SOFTCAP, INPUT_PRECISION, UPCAST, SPLIT_PAGES, PAIR_V)
+                                             HAS_ROW_HI, SOFTCAP, INPUT_PRECISION, UPCAST, SPLIT_PAGES)
     o, _ = finalize(m_i, r_i, acc, LN2)
     _, lse = finalize(m_i, l_i, acc, LN2)
-    if PAIR_V:
-        o, lse = unpair_state(o, lse, BLOCK_M, BLOCK_D, PAIR_V)
     return o, lse
 
 
@@ -258,7 +226,7 @@ def attend_tile(m_i, l_i, r_i, acc, b_q, row_lo, row_hi, p_k, p_v, stride_kt, st
                 stride_vp, num_pages, t0, t_end, qk_scale, cap, o_d, m_d, pages, pg0,
                 BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, IS_PAGED: tl.constexpr, HAS_ROW_LO: tl.constexpr,
                 HAS_ROW_HI: tl.constexpr, SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                SPLIT_PAGES: tl.constexpr, PAIR_V: tl.constexpr):
+                SPLIT_PAGES: tl.constexpr):
     """One step of :func:`attend_tiles`: fold the keys ``[t0, min(t0 + BLOCK_N, t_end))``."""
     o_t = t0 + tl.arange(0, BLOCK_N)
     m_t = o_t < t_end
@@ -294,59 +262,13 @@ def attend_tile(m_i, l_i, r_i, acc, b_q, row_lo, row_hi, p_k, p_v, stride_kt, st
         m_ts = m_ts & (o_t[None, :] >= row_lo[:, None])
     b_s = tl.where(m_ts, b_s, float("-inf"))
     m_i, m_ref, alpha = running_max(m_i, tl.max(b_s, 1), 1.0)
-    b_v = tl.load(p_v + o_v[:, None] + o_d[None, :], mask=m_td, other=0.0)
+    b_v = tl.load(p_v + o_v[:, None] + o_d[None, :], mask=m_td, other=0.0).to(b_q.dtype)
     p = tl.exp2(b_s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    p = p.to(b_q.dtype)
+    p = p.to(b_v.dtype)
     r_i = r_i * alpha + tl.sum(p.to(tl.float32), 1)
-    if PAIR_V:  # Note [FP8 values in pairs]
-        acc = dot(pair_weights(p), pair_values(b_v, PAIR_V).to(b_q.dtype), acc * alpha[:, None], INPUT_PRECISION,
-                  UPCAST)
-    else:
-        acc = dot(p, b_v.to(b_q.dtype), acc * alpha[:, None], INPUT_PRECISION, UPCAST)
+    acc = dot(p, b_v, acc * alpha[:, None], INPUT_PRECISION, UPCAST)
     return m_i, l_i, r_i, acc
-
-
-@triton.jit
-def pair_rows(x):
-    """``x [M, K]`` -> ``[2 M, K]``, row ``2 r + e`` a copy of row ``r`` (Note [FP8 values in pairs])."""
-    return tl.reshape(tl.permute(tl.join(x, x), (0, 2, 1)), (2 * x.shape[0], x.shape[1]))
-
-
-@triton.jit
-def pair_entries(x):
-    """``x [M]`` -> ``[2 M]``, entry ``2 r + e`` a copy of entry ``r`` (Note [FP8 values in pairs])."""
-    return tl.reshape(tl.join(x, x), (2 * x.shape[0],))
-
-
-@triton.jit
-def pair_weights(p):
-    """The weights ``p [2 M, N]`` of paired rows -> ``[2 M, 2 N]``: column ``2 c + e`` of row ``(r, e')``
-    holds ``p[(r, e'), c]`` where ``e == e'``, else 0 (Note [FP8 values in pairs])."""
-    even = (tl.arange(0, p.shape[0]) % 2 == 0)[:, None]
-    return tl.reshape(tl.join(tl.where(even, p, 0.0), tl.where(even, 0.0, p)), (p.shape[0], 2 * p.shape[1]))
-
-
-@triton.jit
-def pair_values(v, WARPS: tl.constexpr):
-    """A value tile ``v [N, D]`` -> ``[2 N, D / 2]``: row ``2 c + e``, column ``n = 8 (W a + w) + g`` holds
-    ``v[c, 16 g + 2 A w + 2 a + e]`` (``W`` = min(``WARPS``, D / 16) warps, ``A = D / (16 W)``), so the
-    bytes a thread reads for the tensor cores are adjacent (Note [FP8 values in pairs])."""
-    W: tl.constexpr = WARPS if 16 * WARPS <= v.shape[1] else v.shape[1] // 16
-    A: tl.constexpr = v.shape[1] // (16 * W)
-    v5 = tl.reshape(v, (v.shape[0], 8, W, A, 2))
-    return tl.reshape(tl.permute(v5, (0, 4, 3, 2, 1)), (2 * v.shape[0], v.shape[1] // 2))
-
-
-@triton.jit
-def unpair_state(o, lse, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, WARPS: tl.constexpr):
-    """The paired state ``(o [2 M, D / 2], lse [2 M])`` -> ``(o [M, D], lse [M])`` (the inverse of
-    :func:`pair_values`' column order; both rows of a pair hold the same lse)."""
-    W: tl.constexpr = WARPS if 16 * WARPS <= BLOCK_D else BLOCK_D // 16
-    A: tl.constexpr = BLOCK_D // (16 * W)
-    o = tl.reshape(tl.permute(tl.reshape(o, (BLOCK_M, 2, A, W, 8)), (0, 4, 3, 2, 1)), (BLOCK_M, BLOCK_D))
-    lse, _ = tl.split(tl.reshape(lse, (BLOCK_M, 2)))
-    return o, lse
 
 
 @triton.jit

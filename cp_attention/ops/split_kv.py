@@ -101,7 +101,7 @@ def _split_kv_kernel(
     HAS_SEQ_LENS: tl.constexpr, IS_PAGED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_ROW_LIMITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, KV_SCALE: tl.constexpr,
     EXPORT: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT_PAGES: tl.constexpr,
-    PAIR_V: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     if PDL:  # Note [Programmatic dependent launch]: nothing is read before the previous kernel is done
         gdc_wait()
@@ -153,7 +153,7 @@ def _split_kv_kernel(
     b_o, b_lse = attend_tiles(b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt, BLOCK_TABLE + i_b64 * stride_btb,
                               stride_btp, stride_kb, stride_vb, NUM_PAGES, t_start, t_end, qk_scale, cap, o_d, m_d,
                               BLOCK_H, BLOCK_N, BLOCK_D, PAGE_SIZE, IS_PAGED, HAS_WINDOW or HAS_ROW_LIMITS,
-                              IS_CAUSAL or HAS_ROW_LIMITS, SOFTCAP, INPUT_PRECISION, UPCAST, SPLIT_PAGES, PAIR_V)
+                              IS_CAUSAL or HAS_ROW_LIMITS, SOFTCAP, INPUT_PRECISION, UPCAST, SPLIT_PAGES)
     if PDL:  # the K/V reads are done: the next kernel may start its launch
         gdc_launch_dependents()
     if KV_SCALE != 0:
@@ -229,18 +229,11 @@ class RowTiling(NamedTuple):
     rows_t: int
 
 
-def row_tiling(q_rows: int, group: int, paired: bool = False) -> RowTiling:
-    """Tiles of at most 64 rows (16 at least: the smallest ``tl.dot`` tile; 8 for ``paired`` rows, which the
-    kernel doubles: Note [FP8 values in pairs])."""
+def row_tiling(q_rows: int, group: int) -> RowTiling:
+    """Tiles of at most 64 rows (16 at least: the smallest ``tl.dot`` tile)."""
     rows = q_rows * group
-    block_h = max(8 if paired else 16, min(64, next_pow2(rows)))
+    block_h = max(16, min(64, next_pow2(rows)))
     return RowTiling(block_h, -(-rows // block_h), min(rows, block_h))
-
-
-def pairs_values(kv_scale: int, rows: int) -> bool:
-    """Whether the split kernel runs ``p @ v`` over value pairs (Note [FP8 values in pairs]): FP8 caches
-    (``kv_scale`` != 0) and at most 8 query rows per KV head."""
-    return kv_scale != 0 and rows <= 8
 
 
 def exports(plan) -> bool:
@@ -269,16 +262,14 @@ def split_kv_launch_config(dtype, group: int, q_rows: int, head_dim: int, plan, 
     ``pdl``: launched with programmatic dependent launch (Note [Programmatic dependent launch]; a CUDA
     device of compute capability 9 or more, never the interpreter).
     """
-    paired = pairs_values(kv_scale, q_rows * group)
-    tiling = row_tiling(q_rows, group, paired)
+    tiling = row_tiling(q_rows, group)
     export = exports(plan)
     constexprs = dict(GROUP_SIZE=group, Q_ROWS=q_rows, HEAD_DIM=head_dim, PAGE_SIZE=max(page_size, 1),
                       BLOCK_H=tiling.block_h, BLOCK_N=plan.config.block_n, BLOCK_D=next_pow2(head_dim),
                       HAS_SEQ_LENS=has_seq_lens, IS_PAGED=page_size > 0, IS_CAUSAL=causal, HAS_ROW_LIMITS=row_limits,
                       HAS_WINDOW=window, SOFTCAP=softcap, HAS_SINKS=sinks and not export, KV_SCALE=kv_scale,
                       EXPORT=export, **dot_flags(dtype),
-                      SPLIT_PAGES=0 if window or row_limits or not page_size else plan.split_pages,
-                      PAIR_V=plan.config.num_warps if paired else 0, PDL=pdl)
+                      SPLIT_PAGES=0 if window or row_limits or not page_size else plan.split_pages, PDL=pdl)
     return constexprs, split_kv_options(plan.config, pdl), tiling
 
 
@@ -314,8 +305,7 @@ def export_floats(batch: int, hkv: int, tiling: RowTiling, head_dim: int, num_sp
 def _aot_spec(group, q_rows, export, page_size=0, causal=False, row_limits=False, block_n=128, kv="bf16",
               kv_scale=0, window=False, softcap=False, sinks=False, head_dim=128, split_pages=0, config=None):
     config = config or DecodeConfig(block_n, 4, 3)
-    paired = pairs_values(kv_scale, q_rows * group)
-    tiling = row_tiling(q_rows, group, paired)
+    tiling = row_tiling(q_rows, group)
     return {
         "kernel": _split_kv_kernel,
         "signature": {"Q": "*bf16", "K": f"*{kv}", "V": f"*{kv}", "SEQ_LENS": "*i32", "BLOCK_TABLE": "*i32",
@@ -326,8 +316,7 @@ def _aot_spec(group, q_rows, export, page_size=0, causal=False, row_limits=False
                            BLOCK_H=tiling.block_h, BLOCK_N=config.block_n, BLOCK_D=head_dim, HAS_SEQ_LENS=True,
                            IS_PAGED=page_size > 0, IS_CAUSAL=causal, HAS_ROW_LIMITS=row_limits,
                            HAS_WINDOW=window, SOFTCAP=softcap, HAS_SINKS=sinks and not export, KV_SCALE=kv_scale,
-                           EXPORT=export, INPUT_PRECISION="tf32", UPCAST=False, SPLIT_PAGES=split_pages,
-                           PAIR_V=config.num_warps if paired else 0, PDL=True),
+                           EXPORT=export, INPUT_PRECISION="tf32", UPCAST=False, SPLIT_PAGES=split_pages, PDL=True),
         "options": split_kv_options(config, pdl=True),
     }
 
