@@ -52,18 +52,15 @@ policy's splits go through the same two kernels; their ``BLOCK_S`` follows the s
 
 Note [Programmatic dependent launch]
 ------------------------------------
-On sm_90 and later (``PDL``) the combine kernel is launched with programmatic dependent launch (Triton's
-``launch_pdl``): the driver may start launching it before the split kernel ahead of it has finished, once
-every split program has called ``griddepcontrol.launch_dependents`` (or exited), which each does once its
-K/V reads are done; so the combine is placed on the SMs while the last states are written. Its programs
-first execute ``griddepcontrol.wait``, which returns when the kernel ahead has completed and its memory is
-visible, so they read no state before it is written. The split kernel executes the same wait (a no-op
-unless it is launched with the attribute) but is launched without it: placed early, while the previous
-call's combine still held SMs, its one wave of several programs per SM landed unevenly, and on the H200
-every e4m3 split kernel after the first of a graph at B=1 T=128k took 91-96 µs against 72-75 without
-(bf16 at B=64 T=8k: 484-486 µs against 477 in two of three rounds; no difference at 2k-32k;
-benchmarks/NOTES.md, eleventh round). A kernel that follows without the attribute simply waits for the
-one ahead to finish, so the instructions change nothing else.
+On sm_90 and later the split kernel is launched with programmatic dependent launch (``PDL``; Triton's
+``launch_pdl``): the driver may start launching it before the kernel ahead of it in the stream has
+finished, once every program of that kernel has called ``griddepcontrol.launch_dependents`` (or exited).
+Its programs first execute ``griddepcontrol.wait``, which returns when the kernel ahead has completed and
+its memory is visible, so they read nothing (q, the cache, ``seq_lens``, the workspace) before it. Each
+split program calls ``launch_dependents`` once its K/V reads are done, so the combine kernel (also launched
+with PDL) is placed on the SMs while the last states are written; the combine calls it on entry, so the
+next decode's split kernel is launched while it merges. A kernel that follows without the attribute
+simply waits for this one to finish, so the instructions change nothing else.
 """
 from typing import NamedTuple
 
@@ -262,9 +259,8 @@ def split_kv_launch_config(dtype, group: int, q_rows: int, head_dim: int, plan, 
     the fp32 workspace of the exported states (:func:`export_floats` elements); ``sm_scale``, ``k_scale``,
     ``v_scale``, the softcap times ``log2(e)``; then ``T_max``, the plan's tiles per split, ``Hkv``, the
     pool's pages, the window and the strides.
-    ``pdl``: the kernel releases a combine launched with programmatic dependent launch once its K/V reads
-    are done; it is itself launched without it (Note [Programmatic dependent launch]; a CUDA device of
-    compute capability 9 or more, never the interpreter).
+    ``pdl``: launched with programmatic dependent launch (Note [Programmatic dependent launch]; a CUDA
+    device of compute capability 9 or more, never the interpreter).
     """
     tiling = row_tiling(q_rows, group)
     export = exports(plan)
@@ -274,17 +270,16 @@ def split_kv_launch_config(dtype, group: int, q_rows: int, head_dim: int, plan, 
                       HAS_WINDOW=window, SOFTCAP=softcap, HAS_SINKS=sinks and not export, KV_SCALE=kv_scale,
                       EXPORT=export, **dot_flags(dtype),
                       SPLIT_PAGES=0 if window or row_limits or not page_size else plan.split_pages, PDL=pdl)
-    return constexprs, split_kv_options(plan.config), tiling
+    return constexprs, split_kv_options(plan.config, pdl), tiling
 
 
-def split_kv_options(config) -> dict:
+def split_kv_options(config, pdl: bool) -> dict:
     """Triton launch options of the split-KV kernel for a :class:`~cp_attention.heuristics.DecodeConfig`:
-    its warps and stages and its register cap (``maxnreg``, where the config sets one); never ``launch_pdl``
-    (Note [Programmatic dependent launch])."""
+    its warps and stages, its register cap (``maxnreg``, where the config sets one) and ``launch_pdl``."""
     options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
     if config.maxnreg:
         options["maxnreg"] = config.maxnreg
-    return options
+    return pdl_options(pdl, **options)
 
 
 def combine_launch_config(group: int, q_rows: int, head_dim: int, sinks: bool, num_splits: int | None = None,
@@ -322,7 +317,7 @@ def _aot_spec(group, q_rows, export, page_size=0, causal=False, row_limits=False
                            IS_PAGED=page_size > 0, IS_CAUSAL=causal, HAS_ROW_LIMITS=row_limits,
                            HAS_WINDOW=window, SOFTCAP=softcap, HAS_SINKS=sinks and not export, KV_SCALE=kv_scale,
                            EXPORT=export, INPUT_PRECISION="tf32", UPCAST=False, SPLIT_PAGES=split_pages, PDL=True),
-        "options": split_kv_options(config),
+        "options": split_kv_options(config, pdl=True),
     }
 
 
