@@ -200,29 +200,29 @@ def attend_tiles(b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt, p_bt, stri
         pages = tl.zeros([1], tl.int32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)  # sum of the weights: the lse
-    r_i = tl.zeros([BLOCK_M], tl.float32)  # sum of the rounded weights: normalises o
+    r_acc = tl.zeros([BLOCK_M, 16], tl.float32)  # sum of the rounded weights, in every column: normalises o
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     if INTERPRET:  # Note [Loops under the interpreter]
         t0 = t_start
         while t0 < t_end:
-            m_i, l_i, r_i, acc = attend_tile(m_i, l_i, r_i, acc, b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt,
+            m_i, l_i, r_acc, acc = attend_tile(m_i, l_i, r_acc, acc, b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt,
                                              p_bt, stride_btp, stride_kp, stride_vp, num_pages, t0, t_end, qk_scale,
                                              cap, o_d, m_d, pages, pg0, BLOCK_N, PAGE_SIZE, IS_PAGED, HAS_ROW_LO,
                                              HAS_ROW_HI, SOFTCAP, INPUT_PRECISION, UPCAST, SPLIT_PAGES)
             t0 += BLOCK_N
     else:
         for t0 in range(t_start, t_end, BLOCK_N):
-            m_i, l_i, r_i, acc = attend_tile(m_i, l_i, r_i, acc, b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt,
+            m_i, l_i, r_acc, acc = attend_tile(m_i, l_i, r_acc, acc, b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt,
                                              p_bt, stride_btp, stride_kp, stride_vp, num_pages, t0, t_end, qk_scale,
                                              cap, o_d, m_d, pages, pg0, BLOCK_N, PAGE_SIZE, IS_PAGED, HAS_ROW_LO,
                                              HAS_ROW_HI, SOFTCAP, INPUT_PRECISION, UPCAST, SPLIT_PAGES)
-    o, _ = finalize(m_i, r_i, acc, LN2)
+    o, _ = finalize(m_i, tl.max(r_acc, 1), acc, LN2)
     _, lse = finalize(m_i, l_i, acc, LN2)
     return o, lse
 
 
 @triton.jit
-def attend_tile(m_i, l_i, r_i, acc, b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt, p_bt, stride_btp, stride_kp,
+def attend_tile(m_i, l_i, r_acc, acc, b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt, p_bt, stride_btp, stride_kp,
                 stride_vp, num_pages, t0, t_end, qk_scale, cap, o_d, m_d, pages, pg0,
                 BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, IS_PAGED: tl.constexpr, HAS_ROW_LO: tl.constexpr,
                 HAS_ROW_HI: tl.constexpr, SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
@@ -266,9 +266,9 @@ def attend_tile(m_i, l_i, r_i, acc, b_q, row_lo, row_hi, p_k, p_v, stride_kt, st
     p = tl.exp2(b_s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     p = p.to(b_v.dtype)
-    r_i = r_i * alpha + tl.sum(p.to(tl.float32), 1)
+    r_acc = dot(p, tl.full([BLOCK_N, 16], 1.0, p.dtype), r_acc * alpha[:, None], INPUT_PRECISION, UPCAST)
     acc = dot(p, b_v, acc * alpha[:, None], INPUT_PRECISION, UPCAST)
-    return m_i, l_i, r_i, acc
+    return m_i, l_i, r_acc, acc
 
 
 @triton.jit
