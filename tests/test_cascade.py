@@ -3,6 +3,8 @@
 Kernels run under the interpreter on the CPU; outputs and workspaces start as NaN (conftest), so a row
 the kernels leave unwritten fails.
 """
+import math
+
 import pytest
 import torch
 
@@ -152,6 +154,27 @@ def test_large_logits_and_sm_scale():
     q, levels = prefix_suffix(3, 8, 2, 64, 130, (29, 1, 64), torch.float32, seed=2, q_gain=40.0)
     got = check(q, levels, sm_scale=0.3, _num_splits=2)
     assert got.lse.abs().max() > 100
+
+
+def test_shared_level_fp16_output_at_the_edge_of_the_range():
+    """Every V of a shared level = 65504 (fp16 max): the exact output is 65504. The shared-segment kernel
+    sums the rounded weights on the tensor cores (``RSUM_DOT``); normalising by the unrounded sum would
+    overshoot to inf (the scores as in test_decode's edge case: every weight but one just over 0.5 + 2^-12,
+    where fp16 rounds up by the most)."""
+    t, d = 200, 32
+    q = torch.zeros(3, 2, d, dtype=torch.float16)
+    q[..., 0] = 1
+    k = torch.zeros(1, 1, t, d, dtype=torch.float16)
+    k[0, 0, 0, 0] = 1
+    v = torch.full((1, 1, t, d), 65504.0, dtype=torch.float16)
+    sm_scale = -math.log(0.5 + 2 ** -12 + 1e-6)
+    for splits in (1, 3):
+        got = cascade_decode(q.to(DEVICE), [CascadeLevel(k.to(DEVICE), v.to(DEVICE))], sm_scale=sm_scale,
+                             return_lse=True, _num_splits=splits)
+        assert torch.isfinite(got.o).all() and (got.o == 65504).all(), got.o
+        ref = attention(q.double(), k.expand(3, -1, -1, -1).double(), v.expand(3, -1, -1, -1).double(),
+                        sm_scale=sm_scale)
+        torch.testing.assert_close(got.lse.double().cpu(), ref.lse, atol=1e-5, rtol=0)
 
 
 def test_return_lse_false_gives_the_output():

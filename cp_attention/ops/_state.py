@@ -32,7 +32,11 @@ by ``v_scale`` (see :func:`score_scales`).
 Rounding (level 1): the weights ``p`` are rounded to the value dtype for the ``p @ v`` product on the
 tensor cores, and ``o`` is normalised by the sum of the *rounded* weights, so it is a convex combination
 of the values (``|o| <= max |v|``: an fp16 cache of 65504s gives 65504, not inf); the lse sums the
-unrounded weights, so it stays exact to fp32.
+unrounded weights, so it stays exact to fp32. The split-KV kernel sums the rounded weights on the CUDA
+cores (a row reduction per tile); the shared-segment kernel, whose 128-row tiles keep the CUDA cores busy
+while its tensor cores wait, sums them on the tensor cores (``RSUM_DOT``: ``p @ ones [N, 16]``
+accumulated like ``acc``, every column the sum): the same quantity rounded in the MMA's order, 13% less
+time per call (H200, B=128 over a 32k shared prefix: 197 → 172 µs; benchmarks/NOTES.md, twelfth round).
 
 Note [Paged tiles from registers]
 --------------------------------
@@ -174,7 +178,8 @@ def attend_tiles(b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt, p_bt, stri
                  num_pages, t_start, t_end, qk_scale, cap, o_d, m_d,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
                  IS_PAGED: tl.constexpr, HAS_ROW_LO: tl.constexpr, HAS_ROW_HI: tl.constexpr, SOFTCAP: tl.constexpr,
-                 INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT_PAGES: tl.constexpr = 0):
+                 INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT_PAGES: tl.constexpr = 0,
+                 RSUM_DOT: tl.constexpr = False):
     """Level 1: the query rows ``b_q [BLOCK_M, BLOCK_D]`` attend to the keys ``[t_start, t_end)`` of one KV
     head, ``BLOCK_N`` keys per tile through ``tl.dot``, with the online softmax. In a dense cache key ``t``
     is at ``p_k + t * stride_kt + o_d``; in a page pool (``IS_PAGED``) at ``p_k + page * stride_kp + (t %
@@ -190,6 +195,9 @@ def attend_tiles(b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt, p_bt, stri
     ``BLOCK_N``; at most ``SPLIT_PAGES`` pages in the range): the range's block-table entries are loaded
     once, before the loop, into registers; a tile's pages are picked from them by arithmetic, so no load
     inside the loop feeds a K/V address (Note [Paged tiles from registers]).
+
+    ``RSUM_DOT``: the sum of the rounded weights on the tensor cores (Note [Attention states inside
+    kernels], Rounding).
     """
     if SPLIT_PAGES > 0:
         o_pg = tl.arange(0, SPLIT_PAGES)
@@ -200,33 +208,39 @@ def attend_tiles(b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt, p_bt, stri
         pages = tl.zeros([1], tl.int32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)  # sum of the weights: the lse
-    r_acc = tl.zeros([BLOCK_M, 16], tl.float32)  # sum of the rounded weights, in every column: normalises o
+    if RSUM_DOT:  # the sum of the rounded weights, which normalises o (with RSUM_DOT in each of 16 columns)
+        r_i = tl.zeros([BLOCK_M, 16], tl.float32)
+    else:
+        r_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     if INTERPRET:  # Note [Loops under the interpreter]
         t0 = t_start
         while t0 < t_end:
-            m_i, l_i, r_acc, acc = attend_tile(m_i, l_i, r_acc, acc, b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt,
-                                             p_bt, stride_btp, stride_kp, stride_vp, num_pages, t0, t_end, qk_scale,
-                                             cap, o_d, m_d, pages, pg0, BLOCK_N, PAGE_SIZE, IS_PAGED, HAS_ROW_LO,
-                                             HAS_ROW_HI, SOFTCAP, INPUT_PRECISION, UPCAST, SPLIT_PAGES)
+            m_i, l_i, r_i, acc = attend_tile(m_i, l_i, r_i, acc, b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt,
+                                           p_bt, stride_btp, stride_kp, stride_vp, num_pages, t0, t_end, qk_scale,
+                                           cap, o_d, m_d, pages, pg0, BLOCK_N, PAGE_SIZE, IS_PAGED, HAS_ROW_LO,
+                                           HAS_ROW_HI, SOFTCAP, INPUT_PRECISION, UPCAST, SPLIT_PAGES, RSUM_DOT)
             t0 += BLOCK_N
     else:
         for t0 in range(t_start, t_end, BLOCK_N):
-            m_i, l_i, r_acc, acc = attend_tile(m_i, l_i, r_acc, acc, b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt,
-                                             p_bt, stride_btp, stride_kp, stride_vp, num_pages, t0, t_end, qk_scale,
-                                             cap, o_d, m_d, pages, pg0, BLOCK_N, PAGE_SIZE, IS_PAGED, HAS_ROW_LO,
-                                             HAS_ROW_HI, SOFTCAP, INPUT_PRECISION, UPCAST, SPLIT_PAGES)
-    o, _ = finalize(m_i, tl.max(r_acc, 1), acc, LN2)
+            m_i, l_i, r_i, acc = attend_tile(m_i, l_i, r_i, acc, b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt,
+                                           p_bt, stride_btp, stride_kp, stride_vp, num_pages, t0, t_end, qk_scale,
+                                           cap, o_d, m_d, pages, pg0, BLOCK_N, PAGE_SIZE, IS_PAGED, HAS_ROW_LO,
+                                           HAS_ROW_HI, SOFTCAP, INPUT_PRECISION, UPCAST, SPLIT_PAGES, RSUM_DOT)
+    if RSUM_DOT:
+        o, _ = finalize(m_i, tl.max(r_i, 1), acc, LN2)
+    else:
+        o, _ = finalize(m_i, r_i, acc, LN2)
     _, lse = finalize(m_i, l_i, acc, LN2)
     return o, lse
 
 
 @triton.jit
-def attend_tile(m_i, l_i, r_acc, acc, b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt, p_bt, stride_btp, stride_kp,
+def attend_tile(m_i, l_i, r_i, acc, b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt, p_bt, stride_btp, stride_kp,
                 stride_vp, num_pages, t0, t_end, qk_scale, cap, o_d, m_d, pages, pg0,
                 BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, IS_PAGED: tl.constexpr, HAS_ROW_LO: tl.constexpr,
                 HAS_ROW_HI: tl.constexpr, SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                SPLIT_PAGES: tl.constexpr):
+                SPLIT_PAGES: tl.constexpr, RSUM_DOT: tl.constexpr):
     """One step of :func:`attend_tiles`: fold the keys ``[t0, min(t0 + BLOCK_N, t_end))``."""
     o_t = t0 + tl.arange(0, BLOCK_N)
     m_t = o_t < t_end
@@ -266,9 +280,12 @@ def attend_tile(m_i, l_i, r_acc, acc, b_q, row_lo, row_hi, p_k, p_v, stride_kt, 
     p = tl.exp2(b_s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     p = p.to(b_v.dtype)
-    r_acc = dot(p, tl.full([BLOCK_N, 16], 1.0, p.dtype), r_acc * alpha[:, None], INPUT_PRECISION, UPCAST)
+    if RSUM_DOT:
+        r_i = dot(p, tl.full([BLOCK_N, 16], 1.0, p.dtype), r_i * alpha[:, None], INPUT_PRECISION, UPCAST)
+    else:
+        r_i = r_i * alpha + tl.sum(p.to(tl.float32), 1)
     acc = dot(p, b_v, acc * alpha[:, None], INPUT_PRECISION, UPCAST)
-    return m_i, l_i, r_acc, acc
+    return m_i, l_i, r_i, acc
 
 
 @triton.jit

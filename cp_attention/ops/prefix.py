@@ -95,7 +95,7 @@ def _prefix_kernel(
     b_o, b_lse = attend_tiles(b_q, row_lim, row_lim, p_k, p_v, stride_kt, stride_vt, BLOCK_TABLE + i_seg * stride_btb,
                               stride_btp, stride_ks, stride_vs, NUM_PAGES, t_start, t_end, qk_scale, cap, o_d, m_d,
                               BLOCK_M, BLOCK_N, BLOCK_D, PAGE_SIZE, IS_PAGED, False, IS_CAUSAL, SOFTCAP,
-                              INPUT_PRECISION, UPCAST)
+                              INPUT_PRECISION, UPCAST, RSUM_DOT=True)
     if KV_SCALE != 0:
         b_o = b_o * vs
 
