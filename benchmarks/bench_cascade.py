@@ -73,8 +73,6 @@ IMPLS = {
     "fi_fa2": lambda sh: peers.flashinfer_fa2(sh.q, *sh.dense()),
     "fi_xqa": lambda sh: peers.flashinfer_xqa(sh.q, *sh.dense()),
 }
-# TODO: the prefix kernel's tuning table (tile config x split count, once in this script) needs a public way
-# to pass cascade_decode a plan (heuristics.prefix_plan(..., splits=, config=)); the library author will wire it.
 FLASHINFER = {"fi_cascade", "fi_fa2", "fi_xqa"}
 SWEEP = ["cascade", "prefix_only", "flat_flash_decode", "sdpa", "fi_cascade", "fi_fa2"]
 

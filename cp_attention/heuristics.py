@@ -353,12 +353,14 @@ def prefix_num_splits(work_items: int, n_kv_blocks: int, num_sms: int) -> int:
     return best
 
 
+@functools.lru_cache(maxsize=4096)
 def prefix_plan(batch: int, group: int, num_kv_heads: int, n_read: int, t_max: int, head_dim: int,
                 dtype: torch.dtype, num_sms: int, splits: int | None = None,
                 config: PrefixConfig | None = None) -> PrefixPlan:
     """The plan of one shared level: ``n_read`` segments (at most ``min(S, B)``) read by ``batch``
     requests of ``group`` query heads per KV head. Row tiles never cross a segment, so there are at most
-    ``ceil(batch * group / block_m) + n_read - 1`` of them."""
+    ``ceil(batch * group / block_m) + n_read - 1`` of them. Shapes only, so cached: an eager call of
+    :func:`cp_attention.cascade_decode` does not redo the split search (up to 128 split counts)."""
     config = config or prefix_config(head_dim, dtype, math.ceil(batch * group / max(n_read, 1)))
     n_tiles = math.ceil(batch * group / config.block_m) + n_read - 1
     n_blocks = max(1, math.ceil(t_max / config.block_n))
