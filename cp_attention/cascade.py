@@ -24,9 +24,17 @@ shared level one slot per KV split); one launch of the merge kernel then folds a
 Levels with no positions add no slot; a request that reads no key at all gets ``o = 0``, ``lse = -inf``.
 The layout (slots, splits, tiles) depends on shapes only, and no device value is read on the host for
 CUDA tensors, so a call can be captured in a CUDA graph.
+
+Overlap. A shared level is bound by the tensor cores (one 128-row program per SM, one wave), a
+per-request level by bytes. On CUDA the shared levels are launched first and the per-request levels on a
+side stream forked before them and joined before the merge, so the per-request programs run beside the
+shared ones on the SMs (each SM has room for one of each) and their reads use the bandwidth the shared
+kernel leaves idle. The kernels and the slots are the same either way, so the result is bitwise the same.
+In a CUDA graph the fork and join are captured as two branches.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple, Optional
 
 import torch
@@ -242,27 +250,40 @@ def _cascade_triton(q, work, last, scale, scales, softcap, sinks, fixed_splits, 
     n_slots = sum(1 if p is None else p.num_splits for p in plans)
     o_all = _dispatch.new_buffer((n_slots, rows, d), torch.float32, q.device)
     lse_all = _dispatch.new_buffer((n_slots, rows), torch.float32, q.device)
-    slot = 0
-    for lv, plan in zip(work, plans):
-        lvl, paged = lv.lvl, lv.lvl.block_table is not None
-        layout = "NHD" if paged else "HND"
-        causal = lv is last
-        k_scale, v_scale, kv_scale = scales if lvl.k.dtype in FP8_DTYPES else (None, None, 0)
-        if plan is None:  # the level's fp32 state goes straight into its slot, unrounded
-            limits = _all_visible(q, lv.t_max) if q_rows > 1 and not causal else None
-            flash_decode(q, lvl.k, lvl.v, lvl.seq_lens, block_table=lvl.block_table, kv_layout=layout,
-                         sm_scale=scale, k_scale=k_scale, v_scale=v_scale, logit_softcap=softcap, _row_limits=limits,
-                         out=AttentionState(o_all[slot].view(q.shape), lse_all[slot].view(q.shape[:-1])))
-            slot += 1
+    starts = [0]  # each level's first slot
+    for plan in plans:
+        starts.append(starts[-1] + (1 if plan is None else plan.num_splits))
+    # The shared levels first, then the per-request ones on a side stream (Note [Cascade attention], overlap)
+    side = _side_stream(q.device) if q.is_cuda and None in plans and plans.count(None) < len(plans) else None
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(q.device))  # the fork, before the shared levels' launches
+    for lv, plan, slot in zip(work, plans, starts):
+        if plan is None:
             continue
+        lvl = lv.lvl
+        k_scale, v_scale, kv_scale = scales if lvl.k.dtype in FP8_DTYPES else (None, None, 0)
         perm = tiles = None
         if lv.kind == _SEGMENTS:
             perm, tiles = _tile_table(lvl.segment_ids, lv.n_seg, q_rows * group, plan.config.block_m, plan.n_tiles)
         end = slot + plan.num_splits
         prefix_attention(q, lvl.k, lvl.v, lvl.seq_lens, lvl.block_table, perm, tiles, o_all[slot:end],
-                         lse_all[slot:end], sm_scale=scale, plan=plan, kv_layout=layout, causal=causal,
+                         lse_all[slot:end], sm_scale=scale, plan=plan,
+                         kv_layout="NHD" if lvl.block_table is not None else "HND", causal=lv is last,
                          k_scale=k_scale, v_scale=v_scale, kv_scale=kv_scale, logit_softcap=softcap)
-        slot = end
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        for lv, plan, slot in zip(work, plans, starts):
+            if plan is not None:
+                continue
+            lvl = lv.lvl
+            k_scale, v_scale, _ = scales if lvl.k.dtype in FP8_DTYPES else (None, None, 0)
+            # the level's fp32 state goes straight into its slot, unrounded
+            limits = _all_visible(q, lv.t_max) if q_rows > 1 and lv is not last else None
+            flash_decode(q, lvl.k, lvl.v, lvl.seq_lens, block_table=lvl.block_table,
+                         kv_layout="NHD" if lvl.block_table is not None else "HND", sm_scale=scale,
+                         k_scale=k_scale, v_scale=v_scale, logit_softcap=softcap, _row_limits=limits,
+                         out=AttentionState(o_all[slot].view(q.shape), lse_all[slot].view(q.shape[:-1])))
+    if side is not None:
+        torch.cuda.current_stream(q.device).wait_stream(side)  # the join, before the merge
     if out is None:
         o = _dispatch.new_buffer(tuple(q.shape), q.dtype, q.device)
         lse = _dispatch.new_buffer(tuple(q.shape[:-1]), torch.float32, q.device)
@@ -276,6 +297,17 @@ def _cascade_triton(q, work, last, scale, scales, softcap, sinks, fixed_splits, 
     if push is not None:
         push.done = True
     return AttentionState(out[0], out[1])
+
+
+_SIDE_STREAMS: dict = {}  # CUDA device -> the stream of the per-request levels (Note [Cascade attention])
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream of ``device`` on which the per-request levels run beside the shared ones."""
+    stream = _SIDE_STREAMS.get(device)
+    if stream is None:
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+    return stream
 
 
 def _tile_table(segment_ids, n_seg, group, block_m, n_tiles):

@@ -56,6 +56,33 @@ def test_cuda_graph_replay_with_new_q_and_seq_lens(b, t, splits):
         torch.testing.assert_close(out.o.double(), ref.o, atol=2e-2, rtol=2e-2)
 
 
+def test_cascade_overlap_changes_no_bit(monkeypatch):
+    """The per-request level runs on a side stream beside the shared one (Note [Cascade attention]); run
+    one after the other instead, on the caller's stream, every bit of the result is the same. The call is
+    made on a stream of the caller's, which the fork and the join must follow."""
+    import cp_attention.cascade as cascade
+
+    torch.manual_seed(1)
+    b, hq, hkv, d, dt = 32, 32, 8, 128, torch.bfloat16
+    q = torch.randn(b, hq, d, device="cuda", dtype=dt)
+    pre_k, pre_v = (torch.randn(1, hkv, 8192, d, device="cuda", dtype=dt) for _ in range(2))
+    suf_k, suf_v = (torch.randn(b, hkv, 300, d, device="cuda", dtype=dt) for _ in range(2))
+    lens = torch.randint(0, 301, (b,), device="cuda", dtype=torch.int32)
+    levels = [CascadeLevel(pre_k, pre_v), CascadeLevel(suf_k, suf_v, lens)]
+    user = torch.cuda.Stream()
+    user.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(user):
+        overlapped = cascade_decode(q, levels, return_lse=True)
+        monkeypatch.setattr(cascade, "_side_stream", lambda device: None)
+        sequential = cascade_decode(q, levels, return_lse=True)
+    user.synchronize()
+    assert torch.equal(overlapped.o, sequential.o) and torch.equal(overlapped.lse, sequential.lse)
+    k = torch.cat([pre_k.expand(b, -1, -1, -1), suf_k], 2)
+    v = torch.cat([pre_v.expand(b, -1, -1, -1), suf_v], 2)
+    ref = attention(q.double(), k.double(), v.double(), lens + 8192)
+    torch.testing.assert_close(overlapped.o.double(), ref.o, atol=2e-2, rtol=2e-2)
+
+
 def test_cascade_graph_replay_with_new_inputs():
     """A shared prefix, group segments and per-request suffixes: captured once, replayed with new queries,
     new lengths, new segment assignments and new suffix tokens; each replay equals the float64 oracle on
