@@ -9,7 +9,8 @@ suffixes. Per implementation: median µs per call and per call in a CUDA graph o
 (benchmarks/_harness.py), max |o - o_cascade_decode|; ``prefix_only`` is cascade_decode over the prefix
 level alone, whose TFLOP/s (4 * B * Hq * P * D flops) is reported; speedups are over flat flash_decode.
 FlashInfer's cascade wrapper is built with use_cuda_graph=True (fixed page-metadata buffers) and timed
-per call and in graphs like the others. Every implementation runs in its own try/except.
+per call and in graphs like the others. Every implementation runs in its own try/except. After the timings, the kernels
+SDPA's default backend selection ran on shapes A and B are recorded (``sdpa_kernels``) and printed.
 
     PYTHONPATH=. python3 benchmarks/bench_cascade.py
     PYTHONPATH=. python3 benchmarks/bench_cascade.py --no-flashinfer --batches 8 32 128
@@ -31,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import peers  # noqa: E402
 from benchmarks._harness import (  # noqa: E402
-    RESULTS, measure, table, tqdm, write_json,
+    RESULTS, kernel_names, measure, table, tqdm, write_json,
 )
 from cp_attention import CascadeLevel, cascade_decode  # noqa: E402
 
@@ -80,6 +81,21 @@ SWEEP = ["cascade", "prefix_only", "flat_flash_decode", "sdpa", "fi_cascade", "f
 def measure_impl(sh, name, row, ref):
     """Check and time one implementation on one shape into ``row``; never raises."""
     measure(row, name, lambda: IMPLS[name](sh), None if name == "prefix_only" else ref, row["shape"])
+
+
+def measure_kernels(row, name):
+    """The kernel names one eager call of ``name`` launches on ``row``'s shape into ``row[name + "_kernels"]``
+    (a failure into ``row[name + "_kernels_error"]``); profiles, so only after every timing."""
+    sh = None
+    try:
+        sh = Shape(row["B"], row["P"], row["S"])
+        row[f"{name}_kernels"] = kernel_names(IMPLS[name](sh))
+    except Exception as e:  # noqa: BLE001 - recorded, as measure() does
+        row[f"{name}_kernels_error"] = f"{type(e).__name__}: {e}"[:400]
+    finally:
+        del sh
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def run_shape(label, b, prefix, suffix, names):
@@ -148,6 +164,9 @@ def main():
     shapes, sweep = [], []
     for kind, label, b, p, s, impls in tqdm(jobs, desc="cascade shapes"):
         (shapes if kind == "shape" else sweep).append(run_shape(label, b, p, s, impls))
+    if "sdpa" in names:  # the kernels SDPA's default backend selection ran, after every timing (harness docs)
+        for r in shapes:
+            measure_kernels(r, "sdpa")
     config = {"dtype": "bf16", "Hq": HQ, "Hkv": HKV, "D": D, "fi_cascade_page_size": 16, "fi_fa2_page_size": 16,
               "fi_xqa_page_size": 64, "prefix_flops": "4 * B * Hq * P * D"}
     path = write_json(args.name, {"config": config, "shapes": shapes, "sweep": sweep})
@@ -159,6 +178,9 @@ def main():
                 print(f"{r['shape']}: {key} = {val}")
         diffs = {k.removesuffix("_maxdiff"): v for k, v in r.items() if k.endswith("_maxdiff")}
         print(f"{r['shape']}: max |o - o_cascade_decode| {diffs}")
+    for r in shapes:
+        if "sdpa_kernels" in r:
+            print(f"{r['shape']}: sdpa kernels {', '.join(r['sdpa_kernels'])}")
     print(f"wrote {path} and {png}")
     print(table(shapes + sweep, ["shape", "B", "P", "S"] + [f"{n}_graph_us" for n in names] +
                 ["prefix_graph_TFLOPs", "cascade_graph_speedup", "fi_cascade_graph_speedup", "cascade_call_us",

@@ -27,10 +27,12 @@ CUDA tensors, so a call can be captured in a CUDA graph.
 
 Overlap. A shared level is bound by the tensor cores (one 128-row program per SM, one wave), a
 per-request level by bytes. On CUDA the shared levels are launched first and the per-request levels on a
-side stream forked before them and joined before the merge, so the per-request programs run beside the
-shared ones on the SMs (each SM has room for one of each) and their reads use the bandwidth the shared
-kernel leaves idle. The kernels and the slots are the same either way, so the result is bitwise the same.
-In a CUDA graph the fork and join are captured as two branches.
+side stream forked before them and joined before the merge, so the per-request programs can run beside
+the shared ones on the SMs and read with the bandwidth the shared kernel leaves idle. Measured on the H200
+(benchmarks/NOTES.md, twelfth round): 2-9% less time per call up to B = 64, almost nothing at B = 128,
+where the per-request programs do not get onto the SMs of the 128-row programs. The kernels and the slots
+are the same either way, so the result is bitwise the same. In a CUDA graph the fork and join are
+captured as two branches.
 """
 from __future__ import annotations
 
@@ -247,40 +249,36 @@ def _cascade_triton(q, work, last, scale, scales, softcap, sinks, fixed_splits, 
         plans.append(prefix_plan(b, q_rows * group, hkv, n_read, lv.t_max, d, q.dtype, sms, fixed_splits, config))
 
     rows = q.numel() // d  # B * Q * Hq
-    n_slots = sum(1 if p is None else p.num_splits for p in plans)
-    o_all = _dispatch.new_buffer((n_slots, rows, d), torch.float32, q.device)
-    lse_all = _dispatch.new_buffer((n_slots, rows), torch.float32, q.device)
-    starts = [0]  # each level's first slot
+    starts = [0]  # each level's first slot, then the slot count
     for plan in plans:
         starts.append(starts[-1] + (1 if plan is None else plan.num_splits))
+    o_all = _dispatch.new_buffer((starts[-1], rows, d), torch.float32, q.device)
+    lse_all = _dispatch.new_buffer((starts[-1], rows), torch.float32, q.device)
     # The shared levels first, then the per-request ones on a side stream (Note [Cascade attention], overlap)
-    side = _side_stream(q.device) if q.is_cuda and None in plans and plans.count(None) < len(plans) else None
+    shared = [i for i, plan in enumerate(plans) if plan is not None]
+    own = [i for i, plan in enumerate(plans) if plan is None]
+    side = _side_stream(q.device) if q.is_cuda and shared and own else None
     if side is not None:
         side.wait_stream(torch.cuda.current_stream(q.device))  # the fork, before the shared levels' launches
-    for lv, plan, slot in zip(work, plans, starts):
-        if plan is None:
-            continue
+    for i in shared:
+        lv, plan, slot = work[i], plans[i], starts[i]
         lvl = lv.lvl
-        k_scale, v_scale, kv_scale = scales if lvl.k.dtype in FP8_DTYPES else (None, None, 0)
+        layout, k_scale, v_scale, kv_scale = _level_args(lvl, scales)
         perm = tiles = None
         if lv.kind == _SEGMENTS:
             perm, tiles = _tile_table(lvl.segment_ids, lv.n_seg, q_rows * group, plan.config.block_m, plan.n_tiles)
         end = slot + plan.num_splits
         prefix_attention(q, lvl.k, lvl.v, lvl.seq_lens, lvl.block_table, perm, tiles, o_all[slot:end],
-                         lse_all[slot:end], sm_scale=scale, plan=plan,
-                         kv_layout="NHD" if lvl.block_table is not None else "HND", causal=lv is last,
+                         lse_all[slot:end], sm_scale=scale, plan=plan, kv_layout=layout, causal=lv is last,
                          k_scale=k_scale, v_scale=v_scale, kv_scale=kv_scale, logit_softcap=softcap)
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        for lv, plan, slot in zip(work, plans, starts):
-            if plan is not None:
-                continue
+        for i in own:  # each level's fp32 state goes straight into its slot, unrounded
+            lv, slot = work[i], starts[i]
             lvl = lv.lvl
-            k_scale, v_scale, _ = scales if lvl.k.dtype in FP8_DTYPES else (None, None, 0)
-            # the level's fp32 state goes straight into its slot, unrounded
+            layout, k_scale, v_scale, _ = _level_args(lvl, scales)
             limits = _all_visible(q, lv.t_max) if q_rows > 1 and lv is not last else None
-            flash_decode(q, lvl.k, lvl.v, lvl.seq_lens, block_table=lvl.block_table,
-                         kv_layout="NHD" if lvl.block_table is not None else "HND", sm_scale=scale,
-                         k_scale=k_scale, v_scale=v_scale, logit_softcap=softcap, _row_limits=limits,
+            flash_decode(q, lvl.k, lvl.v, lvl.seq_lens, block_table=lvl.block_table, kv_layout=layout,
+                         sm_scale=scale, k_scale=k_scale, v_scale=v_scale, logit_softcap=softcap, _row_limits=limits,
                          out=AttentionState(o_all[slot].view(q.shape), lse_all[slot].view(q.shape[:-1])))
     if side is not None:
         torch.cuda.current_stream(q.device).wait_stream(side)  # the join, before the merge
@@ -297,6 +295,13 @@ def _cascade_triton(q, work, last, scale, scales, softcap, sinks, fixed_splits, 
     if push is not None:
         push.done = True
     return AttentionState(out[0], out[1])
+
+
+def _level_args(lvl, scales):
+    """``(kv_layout, k_scale, v_scale, kv_scale)`` of a level: NHD pages or a dense HND cache; the FP8
+    scales (``scales``) for an FP8 level, none otherwise."""
+    k_scale, v_scale, kv_scale = scales if lvl.k.dtype in FP8_DTYPES else (None, None, 0)
+    return ("NHD" if lvl.block_table is not None else "HND"), k_scale, v_scale, kv_scale
 
 
 _SIDE_STREAMS: dict = {}  # CUDA device -> the stream of the per-request levels (Note [Cascade attention])

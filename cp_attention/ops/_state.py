@@ -35,8 +35,9 @@ of the values (``|o| <= max |v|``: an fp16 cache of 65504s gives 65504, not inf)
 unrounded weights, so it stays exact to fp32. The split-KV kernel sums the rounded weights on the CUDA
 cores (a row reduction per tile); the shared-segment kernel, whose 128-row tiles keep the CUDA cores busy
 while its tensor cores wait, sums them on the tensor cores (``RSUM_DOT``: ``p @ ones [N, 16]``
-accumulated like ``acc``, every column the sum): the same quantity rounded in the MMA's order, 13% less
-time per call (H200, B=128 over a 32k shared prefix: 197 → 172 µs; benchmarks/NOTES.md, twelfth round).
+accumulated like ``acc``, every column the sum): the same quantity rounded in the MMA's order, 15-17% less
+time (H200, B=128 over a 32k shared prefix, the shared level alone: 197 → 164-167 µs; benchmarks/NOTES.md,
+twelfth round).
 
 Note [Paged tiles from registers]
 --------------------------------
