@@ -9,8 +9,9 @@ suffixes. Per implementation: median µs per call and per call in a CUDA graph o
 (benchmarks/_harness.py), max |o - o_cascade_decode|; ``prefix_only`` is cascade_decode over the prefix
 level alone, whose TFLOP/s (4 * B * Hq * P * D flops) is reported; speedups are over flat flash_decode.
 FlashInfer's cascade wrapper is built with use_cuda_graph=True (fixed page-metadata buffers) and timed
-per call and in graphs like the others. Every implementation runs in its own try/except. After the timings, the kernels
-SDPA's default backend selection ran on shapes A and B are recorded (``sdpa_kernels``) and printed.
+per call and in graphs like the others. Every implementation runs in its own try/except. After the
+timings, the kernels SDPA's default backend selection ran on shapes A and B are recorded
+(``sdpa_kernels``) and printed.
 
     PYTHONPATH=. python3 benchmarks/bench_cascade.py
     PYTHONPATH=. python3 benchmarks/bench_cascade.py --no-flashinfer --batches 8 32 128
