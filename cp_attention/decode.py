@@ -230,7 +230,8 @@ def _prepare(q, k, v, seq_lens, block_table, row_limits, sinks, scales, num_spli
     if exports(plan):
         work = export_floats(b, geo.hkv, tiling, d, plan.num_splits)
         c_constexprs, c_options, chunks = combine_launch_config(
-            hq // geo.hkv, geo.q_rows, d, sinks is not None, None if plan.deterministic else plan.num_splits, pdl)
+            hq // geo.hkv, geo.q_rows, d, sinks is not None, None if plan.deterministic else plan.num_splits, pdl,
+            plan.config.programs > 1)
         combine = Launcher(_combine_kernel, (grid[0], chunks), c_constexprs, device=cuda,
                            static=(plan.num_splits, geo.hkv, *o_strides, *lse_strides, sink_stride), **c_options)
     return _Prepared(launcher, combine, cuda, q.device, tuple(q.shape), q.dtype, o_like_q, lse_shape,

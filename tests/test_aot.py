@@ -50,6 +50,21 @@ def test_split_kv_streams_16_byte_copies_into_tensor_cores(report):
             assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents"), s["id"]
 
 
+def test_combine_releases_the_next_launch_after_its_stores_behind_packed_splits(report):
+    """Note [Programmatic dependent launch]: behind a split kernel of several programs per SM the combine
+    lets the next kernel launch only once its output is stored; behind the others, on entry."""
+    seen = set()
+    for s in report["specs"]:
+        if s["kernel"] != "_combine_kernel" or not s["constexprs"]["PDL"]:
+            continue
+        ptx = s["ptx"]
+        release, last_store = ptx.index("griddepcontrol.launch_dependents"), ptx.rindex("st.global")
+        assert ptx.index("griddepcontrol.wait") < release, s["id"]
+        assert (release < last_store) == s["constexprs"]["TRIGGER_EARLY"], s["id"]
+        seen.add(s["constexprs"]["TRIGGER_EARLY"])
+    assert seen == {True, False}
+
+
 def test_paged_tables_in_registers_keep_the_dense_pipeline(report):
     """Note [Paged tiles from registers]: with a split's block-table entries in registers the paged loop
     holds the dense loop's K/V stages in shared memory (same tile and stages); with the table read inside

@@ -58,8 +58,14 @@ finished, once every program of that kernel has called ``griddepcontrol.launch_d
 Its programs first execute ``griddepcontrol.wait``, which returns when the kernel ahead has completed and
 its memory is visible, so they read nothing (q, the cache, ``seq_lens``, the workspace) before it. Each
 split program calls ``launch_dependents`` once its K/V reads are done, so the combine kernel (also launched
-with PDL) is placed on the SMs while the last states are written; the combine calls it on entry, so the
-next decode's split kernel is launched while it merges. A kernel that follows without the attribute
+with PDL) is placed on the SMs while the last states are written. The combine calls it on entry, so the
+next decode's split kernel is launched while it merges, except behind a split config that packs several
+programs per SM as one wave (``DecodeConfig.programs``: FP8, paged, short contexts), where it calls it
+after its stores: split programs placed while combine programs still hold an SM's registers do not all
+fit, and the ones left over ran as a second wave, 25-30% longer (H200, e4m3 B=1 T=128k: 96 µs against 76
+with the late trigger, for a variant of the FP8 loop that ran into it; benchmarks/NOTES.md, thirteenth
+round). Behind one program per SM (bf16 128-key tiles) a combine program fits beside it, and the early
+trigger keeps 0.3-0.4 µs of a 6-11 µs decode (B=1 T=2k-8k). A kernel that follows without the attribute
 simply waits for this one to finish, so the instructions change nothing else.
 """
 from typing import NamedTuple
@@ -184,15 +190,16 @@ def _combine_kernel(
     stride_ob, stride_oq, stride_oh, stride_lb, stride_lq, stride_lh, stride_sink,
     GROUP_SIZE: tl.constexpr, Q_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    HAS_SINKS: tl.constexpr, PDL: tl.constexpr,
+    HAS_SINKS: tl.constexpr, PDL: tl.constexpr, TRIGGER_EARLY: tl.constexpr,
 ):
     """Level 2 of the exported split states: program ``(i_p, i_r)`` merges row ``i_r`` of row tile ``i_p``
     (a row tile of a (sequence, KV head), as in ``_split_kv_kernel``) over the ``N_SLOTS`` split-major
     slots of ``WORK``, in slot order, ``BLOCK_S`` slots per load, then adds the sink once (Note [Level 2 in
     its own kernel])."""
-    if PDL:  # the split kernel that wrote WORK is done; the next kernel may start its launch
+    if PDL:  # the split kernel that wrote WORK is done (Note [Programmatic dependent launch])
         gdc_wait()
-        gdc_launch_dependents()
+        if TRIGGER_EARLY:
+            gdc_launch_dependents()
     ROWS: tl.constexpr = Q_ROWS * GROUP_SIZE
     N_RT: tl.constexpr = (ROWS + BLOCK_H - 1) // BLOCK_H
     ROWS_T: tl.constexpr = BLOCK_H if ROWS > BLOCK_H else ROWS
@@ -218,6 +225,8 @@ def _combine_kernel(
     p_out = O + i_b64 * stride_ob + (o_q * stride_oq + o_h * stride_oh)[:, None] + o_d[None, :]
     tl.store(p_out, b_o.to(O.dtype.element_ty), mask=m_g[:, None] & m_d[None, :])
     tl.store(LSE + i_b64 * stride_lb + o_q * stride_lq + o_h * stride_lh, b_lse, mask=m_g)
+    if PDL and not TRIGGER_EARLY:
+        gdc_launch_dependents()
 
 
 class RowTiling(NamedTuple):
@@ -283,18 +292,21 @@ def split_kv_options(config, pdl: bool) -> dict:
 
 
 def combine_launch_config(group: int, q_rows: int, head_dim: int, sinks: bool, num_splits: int | None = None,
-                          pdl: bool = False):
+                          pdl: bool = False, packed: bool = False):
     """``(constexprs, launch options, rows)`` of ``_combine_kernel``, launched on a grid ``(B * Hkv * n_rt,
     rows)``: one program per query row, ``BLOCK_S`` states per load (at most 8192 fp32 in registers, 64 per
     thread). ``num_splits`` None: the deterministic splits, whose ``BLOCK_S`` only the model's shapes decide
     (Note [Deterministic splits]); else ``num_splits`` (rounded up to a power of two) at once where they fit.
+    ``packed``: the split kernel's config packs several programs per SM (``DecodeConfig.programs``), so the
+    combine lets the next kernel launch only after its stores (Note [Programmatic dependent launch]).
     Its arguments: the exported slots (fp32), ``sinks [Hq]`` (any tensor when unused), ``o``, ``lse`` as the
     split kernel's; the number of slots, ``Hkv`` and the strides."""
     tiling = row_tiling(q_rows, group)
     block_d = next_pow2(head_dim)
     block_s = 8192 // block_d if num_splits is None else min(next_pow2(num_splits), 8192 // block_d)
     return (dict(GROUP_SIZE=group, Q_ROWS=q_rows, HEAD_DIM=head_dim, BLOCK_H=tiling.block_h, BLOCK_D=block_d,
-                 BLOCK_S=block_s, HAS_SINKS=sinks, PDL=pdl), pdl_options(pdl, num_warps=4), tiling.rows_t)
+                 BLOCK_S=block_s, HAS_SINKS=sinks, PDL=pdl, TRIGGER_EARLY=not packed), pdl_options(pdl, num_warps=4),
+            tiling.rows_t)
 
 
 def export_floats(batch: int, hkv: int, tiling: RowTiling, head_dim: int, num_splits: int) -> int:
@@ -346,4 +358,4 @@ AOT_SPECS = [_aot_spec(4, 1, True), _aot_spec(5, 1, False), _aot_spec(8, 1, True
     {"kernel": _combine_kernel, "signature": {"WORK": "*fp32", "SINKS": "*fp32", "O": "*bf16", "LSE": "*fp32"},
      "constexprs": cfg[0], "options": cfg[1]}
     for cfg in (combine_launch_config(4, 1, 128, True, 16, pdl=True),
-                combine_launch_config(8, 1, 128, False, pdl=True))]
+                combine_launch_config(8, 1, 128, False, pdl=True, packed=True))]
