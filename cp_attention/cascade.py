@@ -37,6 +37,7 @@ captured as two branches.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -304,15 +305,11 @@ def _level_args(lvl, scales):
     return ("NHD" if lvl.block_table is not None else "HND"), k_scale, v_scale, kv_scale
 
 
-_SIDE_STREAMS: dict = {}  # CUDA device -> the stream of the per-request levels (Note [Cascade attention])
-
-
+@functools.cache
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The side stream of ``device`` on which the per-request levels run beside the shared ones."""
-    stream = _SIDE_STREAMS.get(device)
-    if stream is None:
-        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
-    return stream
+    """The side stream of ``device`` (one per device, kept) on which the per-request levels run beside the
+    shared ones (Note [Cascade attention])."""
+    return torch.cuda.Stream(device=device)
 
 
 def _tile_table(segment_ids, n_seg, group, block_m, n_tiles):
