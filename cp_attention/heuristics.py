@@ -121,13 +121,16 @@ class DecodePlan(NamedTuple):
     ``tiles_per_split`` tiles each (the last split may be shorter); ``deterministic``: the splits of a
     fixed ``split_size``, merged by the separate combine (Note [Deterministic splits] in
     ``ops/split_kv.py``); ``split_pages`` > 0: a paged cache whose block-table entries of a split (at most
-    that many) are read into registers before the loop (Note [Paged tiles from registers])."""
+    that many) are read into registers before the loop (Note [Paged tiles from registers]); ``streams`` >
+    1: a dense cache's tiles read as that many key streams with states of their own (Note [Key streams]
+    in ``ops/_state.py``; ``config.block_n`` a multiple of ``16 * streams``, query tiles of 16 rows)."""
 
     config: DecodeConfig
     num_splits: int
     tiles_per_split: int
     deterministic: bool = False
     split_pages: int = 0
+    streams: int = 1
 
 
 # A split's block-table entries held in registers at most (Note [Paged tiles from registers]). A tile's
@@ -215,7 +218,7 @@ def deterministic_plan(t_max: int, head_dim: int, dtype: torch.dtype, split_size
     Independent of the batch and the device, so a request's output is too.
 
     >>> deterministic_plan(100_000, 128, torch.bfloat16, 4096)
-    DecodePlan(config=DecodeConfig(block_n=128, num_warps=4, num_stages=3, programs=0, maxnreg=0), num_splits=25, tiles_per_split=32, deterministic=True, split_pages=0)
+    DecodePlan(config=DecodeConfig(block_n=128, num_warps=4, num_stages=3, programs=0, maxnreg=0), num_splits=25, tiles_per_split=32, deterministic=True, split_pages=0, streams=1)
     """
     config = decode_config(head_dim, dtype)
     block_n = config.block_n
@@ -254,7 +257,7 @@ def decode_plan(batch: int, num_kv_heads: int, t_max: int, head_dim: int, dtype:
     >>> decode_plan(1, 8, 131072, 128, torch.bfloat16, 132, page_size=64).split_pages
     128
     >>> decode_plan(16, 8, 131072, 128, torch.bfloat16, 132, page_size=16)[1:]  # one split of 1024 tiles, capped
-    (4, 256, False, 2048)
+    (4, 256, False, 2048, 1)
     """
     waves = batch * num_kv_heads / num_sms
     if page_size and aligned and config is None:
@@ -271,7 +274,7 @@ def decode_plan(batch: int, num_kv_heads: int, t_max: int, head_dim: int, dtype:
             dense = dense._replace(num_splits=n_splits, tiles_per_split=math.ceil(n_blocks / n_splits))
         pages = table_pages(dense, page_size)
         if pages:
-            return dense._replace(split_pages=pages)
+            return dense._replace(split_pages=pages, streams=1)
     config = config or decode_config(head_dim, dtype, t_max, page_size, kv_dtype, waves, rows)
     n_blocks = max(1, math.ceil(t_max / config.block_n))
     if splits is None:
@@ -279,7 +282,26 @@ def decode_plan(batch: int, num_kv_heads: int, t_max: int, head_dim: int, dtype:
         slots = num_sms * config.programs_per_sm(head_dim, kv_dtype or dtype)
         splits = num_splits(work, slots, n_blocks, max_splits=max(1, slots // max(work, 1)), efficiency=1.0)
     tiles = math.ceil(n_blocks / min(splits, n_blocks))
-    return DecodePlan(config, math.ceil(n_blocks / tiles), tiles)
+    return DecodePlan(config, math.ceil(n_blocks / tiles), tiles,
+                      streams=key_streams(config, tiles, rows) if not page_size else 1)
+
+
+# A split of the FP8 two-warp config takes four key streams from this many tiles on (Note [Key streams])
+MIN_STREAM_TILES = 48
+
+
+def key_streams(config: DecodeConfig, tiles_per_split: int, rows: int) -> int:
+    """Key streams of a dense cache's split (Note [Key streams] in ``ops/_state.py``): 4 (two per warp) for
+    :data:`FP8_TWO_WARPS` splits of at least :data:`MIN_STREAM_TILES` tiles read by query tiles of 16 rows
+    (``rows`` <= 16), else 1 (the streams' fixed cost per program, ~5 µs, against ~0.11 µs saved per tile:
+    even at ~45 tiles). Measured on the H200 (e4m3, 32/8/128, graph µs): B=1 T=256k (63 tiles a split)
+    150.2-150.6 → 146.8-147.6, T=1M (249) 571-572 → 546-550, B=64 T=8k (128) 289-292 → 282-283,
+    B=16 T=32k (128) 287-289 → 279-282; B=1 T=128k (32) 76.6-76.9 → 77.7-77.9, T=16k 15.1 → 19.7.
+
+    >>> key_streams(FP8_TWO_WARPS, 128, 4), key_streams(FP8_TWO_WARPS, 32, 4), key_streams(FP8_TWO_WARPS, 128, 32)
+    (4, 1, 1)
+    """
+    return 4 if config == FP8_TWO_WARPS and tiles_per_split >= MIN_STREAM_TILES and rows <= 16 else 1
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from cp_attention import AttentionState, CascadeLevel, cascade_decode, flash_decode, quantize_kv
+from cp_attention.heuristics import FP8_TWO_WARPS, DecodePlan
 from cp_attention.reference import attention
 
 from .conftest import DEVICE, assert_state_matches
@@ -167,9 +168,30 @@ def test_fp8_cascade_levels():
         assert_state_matches(AttentionState(got.o[i:i + 1], got.lse[i:i + 1]), ref, q.dtype)
 
 
+# Key streams (Note [Key streams]): dtype, per-head scales, new rows per request, variant
+STREAM_CASES = [(torch.float8_e4m3fn, False, None, {}), (torch.float8_e5m2, True, 4, {}),
+                (torch.float8_e4m3fn, True, 2, {"window_left": 61}), (torch.float8_e4m3fn, False, None,
+                                                                       {"logit_softcap": 4.0})]
+
+
+@pytest.mark.parametrize("dtype8,per_head,q_rows,kw", STREAM_CASES,
+                         ids=[f"{str(c[0])[6:]}-Q{c[2]}-{'-'.join(c[3]) or 'plain'}" for c in STREAM_CASES])
+def test_fp8_key_streams_against_the_dequantised_oracle(dtype8, per_head, q_rows, kw):
+    """Four key streams of 16 keys per 64-key tile, merged after the loop: ragged and empty sequences (NaN
+    past each length), one split of every tile or three splits, against the float64 oracle."""
+    q, k, v, sl = dense_cache(3, 8, 2, 333, 128, [333, 77, 0], q_rows=q_rows, dtype=torch.bfloat16, seed=21)
+    k8, v8, ks, vs = quantize_kv(k, v, dtype8, per_head=per_head)
+    ref = attention(q.double(), dequantized(k8, ks, 1), dequantized(v8, vs, 1), sl, **kw)
+    for splits, tiles in ((1, 6), (3, 2)):
+        plan = DecodePlan(FP8_TWO_WARPS, splits, tiles, streams=4)
+        got = flash_decode(q, k8, v8, sl, k_scale=ks, v_scale=vs, plan=plan, return_lse=True, **kw)
+        assert_state_matches(got, ref, q.dtype)
+
+
 def _bad():
     q, k, v, sl = dense_cache(2, 8, 2, 40, 32, [40, 3], q_rows=None, dtype=torch.bfloat16)
     k8, v8, ks, vs = quantize_kv(k, v, per_head=True)
+    kp, vp, table = page_pool(k8, v8, sl, 16, "HND")
     return [
         ("no-k-scale", lambda: flash_decode(q, k8, v8, sl, v_scale=vs), ValueError, "k_scale"),
         ("no-scales", lambda: flash_decode(q, k8, v8, sl), ValueError, "k_scale"),
@@ -184,6 +206,8 @@ def _bad():
          TypeError, "v"),
         ("quantize-dtype", lambda: quantize_kv(k, v, torch.bfloat16), TypeError, "dtype"),
         ("quantize-per-head", lambda: quantize_kv(k, v, per_head=1), TypeError, "per_head"),
+        ("streams-paged", lambda: flash_decode(q, kp, vp, sl, block_table=table, k_scale=ks, v_scale=vs,
+                                               plan=DecodePlan(FP8_TWO_WARPS, 1, 1, streams=4)), ValueError, "plan"),
     ]
 
 

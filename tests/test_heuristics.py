@@ -47,7 +47,7 @@ def test_decode_configs():
     # pages of 16 at 3 waves and more: four programs per SM at every length (capped splits at 128k)
     assert decode_plan(64, 8, 8192, 128, torch.bfloat16, 132, page_size=16)[:3] == (FOUR_PER_SM, 1, 128)
     assert decode_plan(64, 8, 131072, 128, torch.bfloat16, 132, page_size=16)[:] == (FOUR_PER_SM, 4, 512, False,
-                                                                                    2048)
+                                                                                    2048, 1)
     assert decode_plan(64, 8, 8192, 128, torch.bfloat16, 132, page_size=64).config == DecodeConfig(128, 4, 3)
     assert decode_plan(16, 8, 8192, 128, torch.bfloat16, 132, page_size=16).config == DecodeConfig(128, 4, 3)
     assert decode_plan(64, 8, 8192, 128, torch.bfloat16, 132, kv_dtype=fp8,
@@ -101,6 +101,19 @@ def test_paged_decode_plan_fills_four_programs_per_sm():
     assert decode_plan(64, 8, 8192, 128, torch.bfloat16, 132, page_size=16, aligned=False).num_splits == 1
 
 
+def test_fp8_plan_takes_key_streams_for_long_splits_only():
+    """Four key streams for dense FP8 splits of 48 tiles or more read by 16-row query tiles (Note [Key
+    streams]): the FP8 bar's shapes but B=1 T=128k (32 tiles a split), never paged or 16-bit caches."""
+    e4m3 = dict(kv_dtype=torch.float8_e4m3fn, rows=4)
+    want = {(1, 1 << 20): 4, (1, 1 << 18): 4, (16, 32768): 4, (64, 8192): 4, (1, 131072): 1, (1, 16384): 1}
+    for (b, t), streams in want.items():
+        plan = decode_plan(b, 8, t, 128, torch.bfloat16, 132, **e4m3)
+        assert plan.config == FP8_TWO_WARPS and plan.streams == streams, (b, t, plan)
+    assert decode_plan(1, 8, 1 << 20, 128, torch.bfloat16, 132, kv_dtype=torch.float8_e4m3fn, rows=32).streams == 1
+    assert decode_plan(1, 8, 1 << 20, 128, torch.bfloat16, 132, page_size=16, **e4m3).streams == 1
+    assert decode_plan(1, 8, 1 << 20, 128, torch.bfloat16, 132, rows=4).streams == 1
+
+
 def test_paged_plan_takes_the_dense_plan_with_the_table_in_registers():
     """Note [Paged tiles from registers]: where a split of the dense plan touches at most 2048 block-table
     entries (a power-of-two page of 16 or more, splits that start on a tile), the paged cache gets the dense
@@ -116,7 +129,7 @@ def test_paged_plan_takes_the_dense_plan_with_the_table_in_registers():
         assert decode_plan(16, 8, 2048, 128, torch.bfloat16, 132, page_size=page).split_pages == 0
     assert decode_plan(1, 8, 131072, 128, torch.bfloat16, 132, page_size=64, aligned=False).split_pages == 0
     # capped: one split of 1024 tiles (8192 entries of 16) -> 4 splits of 256 tiles
-    assert decode_plan(16, 8, 131072, 128, torch.bfloat16, 132, page_size=16)[1:] == (4, 256, False, 2048)
+    assert decode_plan(16, 8, 131072, 128, torch.bfloat16, 132, page_size=16)[1:] == (4, 256, False, 2048, 1)
     assert decode_plan(16, 8, 131072, 128, torch.bfloat16, 132, page_size=64).split_pages == 2048  # fits
     # pages of 512 (four tiles a page): a split that starts mid-page needs one entry more than its keys
     big = decode_plan(1, 8, 1 << 24, 128, torch.bfloat16, 132, page_size=512)

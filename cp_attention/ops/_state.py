@@ -58,6 +58,22 @@ touches more entries than fit, the plan's splits are capped to fit. Measured on 
 process: pages of 16, B=1 T=128k 126.8 against 127.3 dense, B=64 T=8k 479.9 against 478.3, B=16 T=128k
 (capped) 1908 against 1876; pages of 64, B=16 T=128k 1880 (benchmarks/NOTES.md, eighth round).
 
+Note [Key streams]
+------------------
+The FP8 split kernel (64-key tiles, two warps, four programs per SM) is bound by each warp's chain of
+dependent steps per tile (load, convert, dot, row max, exponentials, dot), not by bytes. In the plain loop
+the two warps share a tile: the row max and sums cross warps through shared memory and ``p`` changes layout
+through it, nine barriers a tile. With ``STREAMS`` (:func:`attend_streams`) the tile's keys form streams
+with states of their own, as a 3-D ``tl.dot`` (Triton puts the warps on the leading dimension): with four
+streams over two warps every reduction stays inside a warp, each warp runs two independent chains that
+the compiler interleaves, and the streams merge by ⊕ once, after the loop (:func:`merge_streams`). The
+merge and the 3-D setup cost a fixed ~5 µs of epilogue and prologue per program, so the plan takes streams
+only for long splits (:func:`cp_attention.heuristics.key_streams`). The result is the same attention
+state; only the order of the additions differs (each stream's ``o`` is still a convex combination of
+values). Measured on the H200 (e4m3, 32/8/128, graph µs, benchmarks/NOTES.md, fourteenth round): B=1
+T=1M 571-572 → 546-550, B=64 T=8k 289-292 → 282-283, B=16 T=32k 287-289 → 279-282; B=1 T=16k 15.1 →
+19.7 (hence the rule). One stream per warp is slower (86 µs at B=1 T=128k against 77).
+
 Note [Loops under the interpreter]
 ----------------------------------
 Triton 3.6's interpreter holds every scalar as a shape-[1] NumPy array and gives ``range()`` a runtime
@@ -180,7 +196,7 @@ def attend_tiles(b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt, p_bt, stri
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
                  IS_PAGED: tl.constexpr, HAS_ROW_LO: tl.constexpr, HAS_ROW_HI: tl.constexpr, SOFTCAP: tl.constexpr,
                  INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT_PAGES: tl.constexpr = 0,
-                 RSUM_DOT: tl.constexpr = False):
+                 RSUM_DOT: tl.constexpr = False, STREAMS: tl.constexpr = 1):
     """Level 1: the query rows ``b_q [BLOCK_M, BLOCK_D]`` attend to the keys ``[t_start, t_end)`` of one KV
     head, ``BLOCK_N`` keys per tile through ``tl.dot``, with the online softmax. In a dense cache key ``t``
     is at ``p_k + t * stride_kt + o_d``; in a page pool (``IS_PAGED``) at ``p_k + page * stride_kp + (t %
@@ -199,7 +215,15 @@ def attend_tiles(b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt, p_bt, stri
 
     ``RSUM_DOT``: the sum of the rounded weights on the tensor cores (Note [Attention states inside
     kernels], Rounding).
+
+    ``STREAMS`` > 1 (a dense cache; ``BLOCK_N`` a multiple of ``16 * STREAMS``): each tile's keys are cut
+    into ``STREAMS`` streams of ``BLOCK_N // STREAMS`` with running states of their own, merged by ⊕ after
+    the loop (:func:`attend_streams`, Note [Key streams]).
     """
+    if STREAMS > 1:
+        return attend_streams(b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt, t_start, t_end, qk_scale, cap,
+                              o_d, m_d, BLOCK_M, BLOCK_N, BLOCK_D, HAS_ROW_LO, HAS_ROW_HI, SOFTCAP, INPUT_PRECISION,
+                              UPCAST, STREAMS)
     if SPLIT_PAGES > 0:
         o_pg = tl.arange(0, SPLIT_PAGES)
         pg0 = t_start // PAGE_SIZE
@@ -237,6 +261,75 @@ def attend_tiles(b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt, p_bt, stri
 
 
 @triton.jit
+def capped(b_s, cap, SOFTCAP: tl.constexpr):
+    """The scores ``b_s``, or with ``SOFTCAP`` ``cap * tanh(b_s)`` as ``1 - 2 / (1 + e^{2x})`` (exact limits
+    +-1 for large |x|)."""
+    if SOFTCAP:
+        b_s = cap * (1.0 - 2.0 / (1.0 + tl.exp2(b_s * (2.0 * LOG2E))))
+    return b_s
+
+
+@triton.jit
+def attend_streams(b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt, t_start, t_end, qk_scale, cap, o_d, m_d,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_ROW_LO: tl.constexpr,
+                   HAS_ROW_HI: tl.constexpr, SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                   UPCAST: tl.constexpr, S: tl.constexpr):
+    """:func:`attend_tiles` of a dense cache with the tile's keys in ``S`` streams (Note [Key streams]):
+    stream ``j`` of the tile at ``t0`` holds the keys ``t0 + j * BLOCK_N // S + [0, BLOCK_N // S)``; the
+    products are 3-D dots over the streams, each stream keeps its own ``(m, l, r, acc)``, and
+    :func:`merge_streams` folds them after the loop. Same arguments and result as :func:`attend_tiles`."""
+    q3 = tl.broadcast_to(b_q[None, :, :], [S, BLOCK_M, BLOCK_D])
+    m_i = tl.full([S, BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([S, BLOCK_M], tl.float32)
+    r_i = tl.zeros([S, BLOCK_M], tl.float32)
+    acc = tl.zeros([S, BLOCK_M, BLOCK_D], tl.float32)
+    o_n = tl.arange(0, S)[:, None] * (BLOCK_N // S) + tl.arange(0, BLOCK_N // S)[None, :]  # [S, BLOCK_N // S]
+    if INTERPRET:  # Note [Loops under the interpreter]
+        t0 = t_start
+        while t0 < t_end:
+            m_i, l_i, r_i, acc = attend_stream_tile(m_i, l_i, r_i, acc, q3, row_lo, row_hi, p_k, p_v, stride_kt,
+                                                    stride_vt, t0 + o_n, t_end, qk_scale, cap, o_d, m_d, HAS_ROW_LO,
+                                                    HAS_ROW_HI, SOFTCAP, INPUT_PRECISION, UPCAST)
+            t0 += BLOCK_N
+    else:
+        for t0 in range(t_start, t_end, BLOCK_N):
+            m_i, l_i, r_i, acc = attend_stream_tile(m_i, l_i, r_i, acc, q3, row_lo, row_hi, p_k, p_v, stride_kt,
+                                                    stride_vt, t0 + o_n, t_end, qk_scale, cap, o_d, m_d, HAS_ROW_LO,
+                                                    HAS_ROW_HI, SOFTCAP, INPUT_PRECISION, UPCAST)
+    m_i, l_i, r_i, acc = merge_streams(m_i, l_i, r_i, acc)
+    o, _ = finalize(m_i, r_i, acc, LN2)
+    _, lse = finalize(m_i, l_i, acc, LN2)
+    return o, lse
+
+
+@triton.jit
+def attend_stream_tile(m_i, l_i, r_i, acc, q3, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt, o_t, t_end, qk_scale,
+                       cap, o_d, m_d, HAS_ROW_LO: tl.constexpr, HAS_ROW_HI: tl.constexpr, SOFTCAP: tl.constexpr,
+                       INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One step of :func:`attend_streams`: fold the keys ``o_t [S, N]`` (those below ``t_end``) into each
+    stream's state, as :func:`attend_tile` folds a tile."""
+    m_t = o_t < t_end
+    m_td = m_t[:, :, None] & m_d[None, None, :]
+    o_t64 = o_t.to(tl.int64)
+    b_k = tl.load(p_k + (o_t64 * stride_kt)[:, :, None] + o_d[None, None, :], mask=m_td, other=0.0).to(q3.dtype)
+    b_s = capped(dot(q3, tl.trans(b_k, (0, 2, 1)), None, INPUT_PRECISION, UPCAST) * qk_scale, cap, SOFTCAP)
+    m_ts = m_t[:, None, :]
+    if HAS_ROW_HI:
+        m_ts = m_ts & (o_t[:, None, :] < row_hi[None, :, None])
+    if HAS_ROW_LO:
+        m_ts = m_ts & (o_t[:, None, :] >= row_lo[None, :, None])
+    b_s = tl.where(m_ts, b_s, float("-inf"))
+    m_i, m_ref, alpha = running_max(m_i, tl.max(b_s, 2), 1.0)
+    b_v = tl.load(p_v + (o_t64 * stride_vt)[:, :, None] + o_d[None, None, :], mask=m_td, other=0.0).to(q3.dtype)
+    p = tl.exp2(b_s - m_ref[:, :, None])
+    l_i = l_i * alpha + tl.sum(p, 2)
+    p = p.to(b_v.dtype)
+    r_i = r_i * alpha + tl.sum(p.to(tl.float32), 2)
+    acc = dot(p, b_v, acc * alpha[:, :, None], INPUT_PRECISION, UPCAST)
+    return m_i, l_i, r_i, acc
+
+
+@triton.jit
 def attend_tile(m_i, l_i, r_i, acc, b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt, p_bt, stride_btp, stride_kp,
                 stride_vp, num_pages, t0, t_end, qk_scale, cap, o_d, m_d, pages, pg0,
                 BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, IS_PAGED: tl.constexpr, HAS_ROW_LO: tl.constexpr,
@@ -267,9 +360,7 @@ def attend_tile(m_i, l_i, r_i, acc, b_q, row_lo, row_hi, p_k, p_v, stride_kt, st
         o_k = o_t64 * stride_kt
         o_v = o_t64 * stride_vt
     b_k = tl.load(p_k + o_k[:, None] + o_d[None, :], mask=m_td, other=0.0).to(b_q.dtype)  # FP8: dequantised
-    b_s = dot(b_q, tl.trans(b_k), None, INPUT_PRECISION, UPCAST) * qk_scale
-    if SOFTCAP:  # cap * tanh(x), tanh(x) = 1 - 2 / (1 + e^{2x}): exact limits +-1 for large |x|
-        b_s = cap * (1.0 - 2.0 / (1.0 + tl.exp2(b_s * (2.0 * LOG2E))))
+    b_s = capped(dot(b_q, tl.trans(b_k), None, INPUT_PRECISION, UPCAST) * qk_scale, cap, SOFTCAP)
     m_ts = m_t[None, :]
     if HAS_ROW_HI:
         m_ts = m_ts & (o_t[None, :] < row_hi[:, None])
@@ -308,6 +399,15 @@ def fold_states(m_i, l_i, acc, b_lse, b_o):
     l_i = l_i * alpha + tl.sum(w, 0)
     acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * b_o, 0)
     return m_i, l_i, acc
+
+
+@triton.jit
+def merge_streams(m_i, l_i, r_i, acc):
+    """⊕ of ``S`` running accumulators of the same rows, base-2 maxes: ``m_i``, ``l_i``, ``r_i [S, M]``,
+    ``acc [S, M, D]`` -> ``(m [M], l [M], r [M], acc [M, D])``; each state weighs ``2^(m_s - m)``, and
+    empty streams (``m_s = -inf``) weigh 0 (the rules of :func:`running_max`)."""
+    _, _, w = running_max(m_i, tl.max(m_i, 0)[None, :], 1.0)
+    return tl.max(m_i, 0), tl.sum(w * l_i, 0), tl.sum(w * r_i, 0), tl.sum(w[:, :, None] * acc, 0)
 
 
 @triton.jit

@@ -107,7 +107,7 @@ def _split_kv_kernel(
     HAS_SEQ_LENS: tl.constexpr, IS_PAGED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_ROW_LIMITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, KV_SCALE: tl.constexpr,
     EXPORT: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT_PAGES: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, STREAMS: tl.constexpr,
 ):
     if PDL:  # Note [Programmatic dependent launch]: nothing is read before the previous kernel is done
         gdc_wait()
@@ -159,7 +159,8 @@ def _split_kv_kernel(
     b_o, b_lse = attend_tiles(b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt, BLOCK_TABLE + i_b64 * stride_btb,
                               stride_btp, stride_kb, stride_vb, NUM_PAGES, t_start, t_end, qk_scale, cap, o_d, m_d,
                               BLOCK_H, BLOCK_N, BLOCK_D, PAGE_SIZE, IS_PAGED, HAS_WINDOW or HAS_ROW_LIMITS,
-                              IS_CAUSAL or HAS_ROW_LIMITS, SOFTCAP, INPUT_PRECISION, UPCAST, SPLIT_PAGES)
+                              IS_CAUSAL or HAS_ROW_LIMITS, SOFTCAP, INPUT_PRECISION, UPCAST, SPLIT_PAGES,
+                              STREAMS=STREAMS)
     if PDL:  # the K/V reads are done: the next kernel may start its launch
         gdc_launch_dependents()
     if KV_SCALE != 0:
@@ -273,12 +274,16 @@ def split_kv_launch_config(dtype, group: int, q_rows: int, head_dim: int, plan, 
     """
     tiling = row_tiling(q_rows, group)
     export = exports(plan)
+    if plan.streams > 1 and (page_size or tiling.block_h != 16 or plan.config.block_n % (16 * plan.streams)):
+        raise ValueError(f"plan: {plan.streams} key streams need a dense cache, query tiles of 16 rows and "
+                         f"tiles of a multiple of {16 * plan.streams} keys")
     constexprs = dict(GROUP_SIZE=group, Q_ROWS=q_rows, HEAD_DIM=head_dim, PAGE_SIZE=max(page_size, 1),
                       BLOCK_H=tiling.block_h, BLOCK_N=plan.config.block_n, BLOCK_D=next_pow2(head_dim),
                       HAS_SEQ_LENS=has_seq_lens, IS_PAGED=page_size > 0, IS_CAUSAL=causal, HAS_ROW_LIMITS=row_limits,
                       HAS_WINDOW=window, SOFTCAP=softcap, HAS_SINKS=sinks and not export, KV_SCALE=kv_scale,
                       EXPORT=export, **dot_flags(dtype),
-                      SPLIT_PAGES=0 if window or row_limits or not page_size else plan.split_pages, PDL=pdl)
+                      SPLIT_PAGES=0 if window or row_limits or not page_size else plan.split_pages, PDL=pdl,
+                      STREAMS=plan.streams)
     return constexprs, split_kv_options(plan.config, pdl), tiling
 
 
@@ -315,7 +320,8 @@ def export_floats(batch: int, hkv: int, tiling: RowTiling, head_dim: int, num_sp
 
 
 def _aot_spec(group, q_rows, export, page_size=0, causal=False, row_limits=False, block_n=128, kv="bf16",
-              kv_scale=0, window=False, softcap=False, sinks=False, head_dim=128, split_pages=0, config=None):
+              kv_scale=0, window=False, softcap=False, sinks=False, head_dim=128, split_pages=0, config=None,
+              streams=1):
     config = config or DecodeConfig(block_n, 4, 3)
     tiling = row_tiling(q_rows, group)
     return {
@@ -328,7 +334,8 @@ def _aot_spec(group, q_rows, export, page_size=0, causal=False, row_limits=False
                            BLOCK_H=tiling.block_h, BLOCK_N=config.block_n, BLOCK_D=head_dim, HAS_SEQ_LENS=True,
                            IS_PAGED=page_size > 0, IS_CAUSAL=causal, HAS_ROW_LIMITS=row_limits,
                            HAS_WINDOW=window, SOFTCAP=softcap, HAS_SINKS=sinks and not export, KV_SCALE=kv_scale,
-                           EXPORT=export, INPUT_PRECISION="tf32", UPCAST=False, SPLIT_PAGES=split_pages, PDL=True),
+                           EXPORT=export, INPUT_PRECISION="tf32", UPCAST=False, SPLIT_PAGES=split_pages, PDL=True,
+                           STREAMS=streams),
         "options": split_kv_options(config, pdl=True),
     }
 
@@ -339,7 +346,8 @@ def _aot_spec(group, q_rows, export, page_size=0, causal=False, row_limits=False
 # variants: a window with sinks (split and not), a softcap on 4 causal rows, 64-key tiles split, head dim 64
 # in 256-key tiles; paged tables in registers (2048 entries of 16, pages of 256, 2048 FP8 pages of 64 with 4
 # causal rows; four programs per SM, registers capped at 128: 32 pages of 64, 2048 of 16 split; FP8 in two
-# warps: e4m3 split, e5m2 with per-head scales on 8 causal rows);
+# warps: e4m3 split, e5m2 with per-head scales on 8 causal rows; and in four key streams: e4m3 split, e5m2
+# with per-head scales on 4 causal rows in a window with a softcap);
 # and the combine, with the policy's split count and with the deterministic splits.
 AOT_SPECS = [_aot_spec(4, 1, True), _aot_spec(5, 1, False), _aot_spec(8, 1, True),
              _aot_spec(4, 1, True, page_size=16, block_n=64), _aot_spec(4, 1, False, page_size=64, block_n=64),
@@ -354,7 +362,10 @@ AOT_SPECS = [_aot_spec(4, 1, True), _aot_spec(5, 1, False), _aot_spec(8, 1, True
              _aot_spec(4, 1, False, page_size=64, split_pages=32, config=FOUR_PER_SM),
              _aot_spec(4, 1, True, page_size=16, split_pages=2048, config=FOUR_PER_SM),
              _aot_spec(4, 1, True, kv="fp8e4nv", kv_scale=1, config=FP8_TWO_WARPS),
-             _aot_spec(4, 8, False, causal=True, kv="fp8e5", kv_scale=2, config=FP8_TWO_WARPS)] + [
+             _aot_spec(4, 8, False, causal=True, kv="fp8e5", kv_scale=2, config=FP8_TWO_WARPS),
+             _aot_spec(4, 1, True, kv="fp8e4nv", kv_scale=1, config=FP8_TWO_WARPS, streams=4),
+             _aot_spec(4, 4, False, causal=True, kv="fp8e5", kv_scale=2, window=True, softcap=True,
+                       config=FP8_TWO_WARPS, streams=4)] + [
     {"kernel": _combine_kernel, "signature": {"WORK": "*fp32", "SINKS": "*fp32", "O": "*bf16", "LSE": "*fp32"},
      "constexprs": cfg[0], "options": cfg[1]}
     for cfg in (combine_launch_config(4, 1, 128, True, 16, pdl=True),
