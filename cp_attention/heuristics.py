@@ -160,6 +160,10 @@ FOUR_PER_SM = DecodeConfig(64, 4, 2, programs=4, maxnreg=128)  # 65536 registers
 # FP8 caches: 64-key tiles, two warps, three stages, four programs per SM (39-45 KB of shared memory, 244-255
 # registers on sm_90 without spills for query tiles of up to 32 rows; 64 rows spill)
 FP8_TWO_WARPS = DecodeConfig(64, 2, 3, programs=4)
+# Head dims over 128 (dense caches, query tiles of at most 32 rows): two programs per SM, counted from sm_90
+# compiles at D = 256 (16-bit: 105-128 registers x 256 threads, 76-87 KB; FP8: 199-255 x 128, 76-87 KB).
+WIDE_HEADS = DecodeConfig(64, 8, 2, programs=2)
+WIDE_FP8 = DecodeConfig(64, 4, 3, programs=2)
 
 
 def decode_config(head_dim: int, dtype: torch.dtype, t_max: int | None = None, page_size: int = 0,
@@ -185,6 +189,14 @@ def decode_config(head_dim: int, dtype: torch.dtype, t_max: int | None = None, p
     T=128k 114.6 against 124.1; sixteen (64 rows) keep 128 x 4 x 3 (128.3 against 148.2-158.5 with 64-key
     tiles of four warps) (benchmarks/NOTES.md, tenth round).
 
+    Head dims over 128 (dense caches, query tiles of at most 32 rows): :data:`WIDE_HEADS` for 16-bit
+    caches, :data:`WIDE_FP8` for FP8 ones, two programs per SM (the shared-memory estimate of
+    :meth:`DecodeConfig.programs_per_sm` counted one for the 64 x 4 x 2 tiles these replaced, whose
+    pipeline holds one K/V buffer, not two; its FP8 compile's 255 registers fit two where it counted
+    three). H200, 16/8/256, graph µs at the split count of one wave (`tune_decode`, fourteenth round):
+    bf16 B=1 T=128k 244.2 against 312.2, B=16 T=32k 938.2 against 1172.9; e4m3 166.6 against 215.4 and
+    632.8 against 836.1. Paged caches and 64-row tiles keep 64 x 4 x 2 (not measured).
+
     ``page_size`` > 0 (a paged cache): 64-key tiles, of which four programs share an SM (126 registers
     per thread, 39 KB of shared memory: Triton's pipeliner gives the block-table load of a tile a stage of
     its own and keeps one K/V tile in flight, so the paged kernel trades the second buffer for more programs),
@@ -197,7 +209,9 @@ def decode_config(head_dim: int, dtype: torch.dtype, t_max: int | None = None, p
     if dtype == torch.float32:
         return DecodeConfig(64, 4, 2) if head_dim <= 128 else DecodeConfig(32, 4, 2)
     if head_dim > 128:
-        return DecodeConfig(64, 4, 2)
+        if page_size or table or rows > 32:
+            return DecodeConfig(64, 4, 2)
+        return WIDE_FP8 if (kv_dtype or dtype).itemsize == 1 else WIDE_HEADS
     many_short = t_max is not None and 512 < t_max <= 2048 and waves >= 3 and not page_size
     if many_short and (kv_dtype or dtype).itemsize == 2:
         return FOUR_PER_SM

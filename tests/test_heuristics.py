@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from cp_attention.heuristics import (FOUR_PER_SM, FP8_TWO_WARPS, REFERENCE_SMS, DecodeConfig, PrefixConfig,
-                                      decode_config, decode_plan, num_sms, num_splits, prefix_config,
+from cp_attention.heuristics import (FOUR_PER_SM, FP8_TWO_WARPS, REFERENCE_SMS, WIDE_FP8, WIDE_HEADS, DecodeConfig,
+                                      PrefixConfig, decode_config, decode_plan, num_sms, num_splits, prefix_config,
                                       prefix_num_splits, prefix_plan)
 
 
@@ -52,7 +52,12 @@ def test_decode_configs():
     assert decode_plan(16, 8, 8192, 128, torch.bfloat16, 132, page_size=16).config == DecodeConfig(128, 4, 3)
     assert decode_plan(64, 8, 8192, 128, torch.bfloat16, 132, kv_dtype=fp8,
                        page_size=16).config.block_n == 128
-    assert decode_config(256, torch.float16) == DecodeConfig(64, 4, 2)
+    # head dim 256, dense, up to 32 rows a tile: two programs per SM (paged and 64 rows keep 64 x 4 x 2)
+    assert decode_config(256, torch.float16) == WIDE_HEADS == DecodeConfig(64, 8, 2, programs=2)
+    assert decode_config(256, torch.bfloat16, 131072, kv_dtype=fp8) == WIDE_FP8 == DecodeConfig(64, 4, 3, programs=2)
+    assert decode_config(256, torch.bfloat16, 131072, page_size=16) == DecodeConfig(64, 4, 2)
+    assert decode_config(256, torch.bfloat16, 131072, rows=64) == DecodeConfig(64, 4, 2)
+    assert decode_plan(1, 8, 131072, 256, torch.bfloat16, 132, rows=2)[:3] == (WIDE_HEADS, 33, 63)
     assert decode_config(64, torch.float32) == DecodeConfig(64, 4, 2)
     assert decode_config(128, torch.bfloat16, 131072, page_size=16) == DecodeConfig(64, 4, 3, programs=4)
     assert decode_config(128, torch.bfloat16, 131072, page_size=1) == DecodeConfig(64, 4, 3, programs=3)

@@ -79,7 +79,7 @@ from ._launch import pdl_options
 from ._state import (add_sink, attend_tiles, fp16_query, kv_bases, merge_tile, score_scales, seq_length,
                      split_range)
 from .._dispatch import next_pow2
-from ..heuristics import FOUR_PER_SM, FP8_TWO_WARPS, DecodeConfig
+from ..heuristics import FOUR_PER_SM, FP8_TWO_WARPS, WIDE_FP8, WIDE_HEADS, DecodeConfig
 
 
 @triton.jit
@@ -347,7 +347,8 @@ def _aot_spec(group, q_rows, export, page_size=0, causal=False, row_limits=False
 # in 256-key tiles; paged tables in registers (2048 entries of 16, pages of 256, 2048 FP8 pages of 64 with 4
 # causal rows; four programs per SM, registers capped at 128: 32 pages of 64, 2048 of 16 split; FP8 in two
 # warps: e4m3 split, e5m2 with per-head scales on 8 causal rows; and in four key streams: e4m3 split, e5m2
-# with per-head scales on 4 causal rows in a window with a softcap);
+# with per-head scales on 4 causal rows in a window with a softcap); head dim 256 (GQA 2: 16-bit split,
+# e4m3 with per-head scales on 4 causal rows);
 # and the combine, with the policy's split count and with the deterministic splits.
 AOT_SPECS = [_aot_spec(4, 1, True), _aot_spec(5, 1, False), _aot_spec(8, 1, True),
              _aot_spec(4, 1, True, page_size=16, block_n=64), _aot_spec(4, 1, False, page_size=64, block_n=64),
@@ -365,7 +366,9 @@ AOT_SPECS = [_aot_spec(4, 1, True), _aot_spec(5, 1, False), _aot_spec(8, 1, True
              _aot_spec(4, 8, False, causal=True, kv="fp8e5", kv_scale=2, config=FP8_TWO_WARPS),
              _aot_spec(4, 1, True, kv="fp8e4nv", kv_scale=1, config=FP8_TWO_WARPS, streams=4),
              _aot_spec(4, 4, False, causal=True, kv="fp8e5", kv_scale=2, window=True, softcap=True,
-                       config=FP8_TWO_WARPS, streams=4)] + [
+                       config=FP8_TWO_WARPS, streams=4),
+             _aot_spec(2, 1, True, head_dim=256, config=WIDE_HEADS),
+             _aot_spec(2, 4, True, causal=True, kv="fp8e4nv", kv_scale=2, head_dim=256, config=WIDE_FP8)] + [
     {"kernel": _combine_kernel, "signature": {"WORK": "*fp32", "SINKS": "*fp32", "O": "*bf16", "LSE": "*fp32"},
      "constexprs": cfg[0], "options": cfg[1]}
     for cfg in (combine_launch_config(4, 1, 128, True, 16, pdl=True),
