@@ -201,7 +201,10 @@ def decode_config(head_dim: int, dtype: torch.dtype, t_max: int | None = None, p
     per thread, 39 KB of shared memory: Triton's pipeliner gives the block-table load of a tile a stage of
     its own and keeps one K/V tile in flight, so the paged kernel trades the second buffer for more programs),
     three with pages of one position (159 registers). Measured at B=1 T=128k, pages of 16: 131.8 µs at 64
-    splits (512 programs, one wave of four per SM) against 148.2 at 48 (benchmarks/NOTES.md).
+    splits (512 programs, one wave of four per SM) against 148.2 at 48 (benchmarks/NOTES.md). An FP8 page
+    pool read this way (one table entry per key: windows, row limits, pages that are not a power of two of
+    16 or more) takes 148-185 registers on sm_90, so two programs per SM are counted (four and three were,
+    fourteenth round: not measured on the GPU).
 
     >>> decode_config(128, torch.bfloat16, 131072, page_size=16)
     DecodeConfig(block_n=64, num_warps=4, num_stages=3, programs=4, maxnreg=0)
@@ -220,6 +223,8 @@ def decode_config(head_dim: int, dtype: torch.dtype, t_max: int | None = None, p
     if (kv_dtype or dtype).itemsize == 1 and head_dim > 64 and rows <= 32 and not page_size and not table:
         return FP8_TWO_WARPS
     if page_size:
+        if (kv_dtype or dtype).itemsize == 1:  # FP8: 148-185 registers on sm_90, two programs fit an SM
+            return DecodeConfig(64, 4, 3, programs=2)
         return DecodeConfig(64, 4, 3, programs=4 if page_size > 1 else 3)
     if head_dim <= 64 and t_max is not None and t_max >= 32768 and (kv_dtype or dtype).itemsize == 2:
         return DecodeConfig(256, 4, 3)

@@ -7,7 +7,10 @@ import importlib
 import json
 import os
 import pkgutil
+import re
+import subprocess
 import sys
+import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)
 
@@ -34,6 +37,16 @@ def compile_spec(spec):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=spec.get("options", {}))
 
 
+def resource_usage(cubin: bytes) -> dict:
+    """Registers per thread and local (spill) bytes of the kernel in ``cubin``, from ``cuobjdump``."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
+                             capture_output=True, text=True, check=True).stdout
+    return {"regs": int(re.search(r"REG:(\d+)", out).group(1)), "local": int(re.search(r"LOCAL:(\d+)", out).group(1))}
+
+
 def main():
     report = {"specs": [], "unregistered": []}
     # the library's kernels, and the model kernels of launch/generate.py
@@ -48,11 +61,12 @@ def main():
                 report["unregistered"].append(f"{short}.{fn_name}")
         for i, spec in enumerate(specs):
             entry = {"id": f"{short}-{i}", "kernel": spec["kernel"].__name__, "constexprs": spec["constexprs"],
-                     "options": spec.get("options", {})}
+                     "options": spec.get("options", {}), "programs": spec.get("programs", 0),
+                     "signature": spec.get("signature", {})}
             try:
                 k = compile_spec(spec)
                 entry.update(ok=bool(k.asm.get("cubin")), ptx=k.asm["ptx"], shared=k.metadata.shared,
-                             num_warps=k.metadata.num_warps)
+                             num_warps=k.metadata.num_warps, **resource_usage(k.asm["cubin"]))
             except Exception as e:  # reported, and failed, by the test
                 entry.update(ok=False, error=f"{type(e).__name__}: {e}")
             report["specs"].append(entry)

@@ -50,6 +50,34 @@ def test_split_kv_streams_16_byte_copies_into_tensor_cores(report):
             assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents"), s["id"]
 
 
+def test_split_plans_count_no_more_programs_per_sm_than_fit(report):
+    """The split plan fills one wave of ``DecodeConfig.programs_per_sm`` programs on every SM (the
+    config's ``programs``, else the estimate from its K/V stages). Counting more than the compiled kernel's
+    registers or shared memory let in leaves programs over for a second wave (the FP8 tiles of head dim
+    256 once counted three where their 255 registers fit two: 215 µs against 167, benchmarks/NOTES.md,
+    fourteenth round); and a config that names its programs must not spill."""
+    import torch
+
+    from cp_attention.heuristics import DecodeConfig
+
+    dtypes = {"*bf16": torch.bfloat16, "*fp16": torch.float16, "*fp8e4nv": torch.float8_e4m3fn,
+              "*fp8e5": torch.float8_e5m2}
+    named = 0
+    for s in report["specs"]:
+        if s["kernel"] != "_split_kv_kernel":
+            continue
+        c, o = s["constexprs"], s["options"]
+        config = DecodeConfig(c["BLOCK_N"], o["num_warps"], o["num_stages"], s["programs"])
+        planned = config.programs_per_sm(c["HEAD_DIM"], dtypes[s["signature"]["K"]])
+        regs = -(-s["regs"] // 8) * 8  # sm_90 allocates registers to a warp in units of 256
+        assert planned * regs * 32 * o["num_warps"] <= 65536, (s["id"], planned, s["regs"])
+        assert planned * (s["shared"] + 1024) <= 233472, (s["id"], planned, s["shared"])  # 228 KB, 1 KB a block
+        if s["programs"]:
+            named += 1
+            assert s["local"] == 0, s["id"]
+    assert named >= 8
+
+
 def test_combine_releases_the_next_launch_after_its_stores_behind_packed_splits(report):
     """Note [Programmatic dependent launch]: behind a split kernel of several programs per SM the combine
     lets the next kernel launch only once its output is stored; behind the others, on entry."""

@@ -70,6 +70,7 @@ simply waits for this one to finish, so the instructions change nothing else.
 """
 from typing import NamedTuple
 
+import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -79,7 +80,7 @@ from ._launch import pdl_options
 from ._state import (add_sink, attend_tiles, fp16_query, kv_bases, merge_tile, score_scales, seq_length,
                      split_range)
 from .._dispatch import next_pow2
-from ..heuristics import FOUR_PER_SM, FP8_TWO_WARPS, WIDE_FP8, WIDE_HEADS, DecodeConfig
+from ..heuristics import FOUR_PER_SM, FP8_TWO_WARPS, WIDE_FP8, WIDE_HEADS, DecodeConfig, decode_config
 
 
 @triton.jit
@@ -337,6 +338,7 @@ def _aot_spec(group, q_rows, export, page_size=0, causal=False, row_limits=False
                            EXPORT=export, INPUT_PRECISION="tf32", UPCAST=False, SPLIT_PAGES=split_pages, PDL=True,
                            STREAMS=streams),
         "options": split_kv_options(config, pdl=True),
+        "programs": config.programs,  # the plan's programs per SM, checked against the compile (tests/test_aot.py)
     }
 
 
@@ -354,7 +356,8 @@ AOT_SPECS = [_aot_spec(4, 1, True), _aot_spec(5, 1, False), _aot_spec(8, 1, True
              _aot_spec(4, 1, True, page_size=16, block_n=64), _aot_spec(4, 1, False, page_size=64, block_n=64),
              _aot_spec(4, 4, True, causal=True), _aot_spec(8, 16, True, page_size=16, row_limits=True, block_n=64),
              _aot_spec(4, 1, True, kv="fp8e4nv", kv_scale=1),
-             _aot_spec(4, 4, False, page_size=64, causal=True, kv="fp8e5", kv_scale=2, block_n=64),
+             _aot_spec(4, 4, False, page_size=64, causal=True, kv="fp8e5", kv_scale=2,
+                       config=decode_config(128, torch.bfloat16, page_size=64, kv_dtype=torch.float8_e5m2)),
              _aot_spec(4, 1, True, window=True, sinks=True), _aot_spec(4, 1, False, window=True, sinks=True),
              _aot_spec(4, 4, True, causal=True, softcap=True), _aot_spec(4, 1, True, block_n=64),
              _aot_spec(4, 1, True, block_n=256, head_dim=64),
