@@ -10,6 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from cp_attention.heuristics import DecodeConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,10 +59,6 @@ def test_split_plans_count_no_more_programs_per_sm_than_fit(report):
     registers or shared memory let in leaves programs over for a second wave (the FP8 tiles of head dim
     256 once counted three where their 255 registers fit two: 215 µs against 167, benchmarks/NOTES.md,
     fourteenth round); and a config that names its programs must not spill."""
-    import torch
-
-    from cp_attention.heuristics import DecodeConfig
-
     dtypes = {"*bf16": torch.bfloat16, "*fp16": torch.float16, "*fp8e4nv": torch.float8_e4m3fn,
               "*fp8e5": torch.float8_e5m2}
     named = 0

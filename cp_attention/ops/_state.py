@@ -321,11 +321,7 @@ def attend_stream_tile(m_i, l_i, r_i, acc, q3, row_lo, row_hi, p_k, p_v, stride_
     b_s = tl.where(m_ts, b_s, float("-inf"))
     m_i, m_ref, alpha = running_max(m_i, tl.max(b_s, 2), 1.0)
     b_v = tl.load(p_v + (o_t64 * stride_vt)[:, :, None] + o_d[None, None, :], mask=m_td, other=0.0).to(q3.dtype)
-    p = tl.exp2(b_s - m_ref[:, :, None])
-    l_i = l_i * alpha + tl.sum(p, 2)
-    p = p.to(b_v.dtype)
-    r_i = r_i * alpha + tl.sum(p.to(tl.float32), 2)
-    acc = dot(p, b_v, acc * alpha[:, :, None], INPUT_PRECISION, UPCAST)
+    l_i, r_i, acc = fold_weights(l_i, r_i, acc, b_s, m_ref, alpha, b_v, 2, INPUT_PRECISION, UPCAST, False)
     return m_i, l_i, r_i, acc
 
 
@@ -369,15 +365,28 @@ def attend_tile(m_i, l_i, r_i, acc, b_q, row_lo, row_hi, p_k, p_v, stride_kt, st
     b_s = tl.where(m_ts, b_s, float("-inf"))
     m_i, m_ref, alpha = running_max(m_i, tl.max(b_s, 1), 1.0)
     b_v = tl.load(p_v + o_v[:, None] + o_d[None, :], mask=m_td, other=0.0).to(b_q.dtype)
-    p = tl.exp2(b_s - m_ref[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    l_i, r_i, acc = fold_weights(l_i, r_i, acc, b_s, m_ref, alpha, b_v, 1, INPUT_PRECISION, UPCAST, RSUM_DOT)
+    return m_i, l_i, r_i, acc
+
+
+@triton.jit
+def fold_weights(l_i, r_i, acc, b_s, m_ref, alpha, b_v, AX: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                 UPCAST: tl.constexpr, RSUM_DOT: tl.constexpr):
+    """The online-softmax step of level 1 after :func:`running_max` gave ``(m_ref, alpha)``: a tile's masked
+    base-2 scores ``b_s [..., M, N]`` (the keys on axis ``AX``, the last) become weights ``2^(s - m_ref)``,
+    and the sums and ``acc`` are rescaled by ``alpha`` and take them (Note [Attention states inside
+    kernels]): ``l`` sums the weights, ``r`` the weights rounded to the value dtype (``RSUM_DOT``: on the
+    tensor cores, 2-D tiles), ``acc`` the products of the rounded weights with the values ``b_v [..., N, D]``.
+    Returns ``(l, r, acc)``."""
+    p = tl.exp2(b_s - tl.expand_dims(m_ref, AX))
+    l_i = l_i * alpha + tl.sum(p, AX)
     p = p.to(b_v.dtype)
     if RSUM_DOT:
-        r_i = dot(p, tl.full([BLOCK_N, 16], 1.0, p.dtype), r_i * alpha[:, None], INPUT_PRECISION, UPCAST)
+        r_i = dot(p, tl.full([b_s.shape[AX], 16], 1.0, p.dtype), r_i * alpha[:, None], INPUT_PRECISION, UPCAST)
     else:
-        r_i = r_i * alpha + tl.sum(p.to(tl.float32), 1)
-    acc = dot(p, b_v, acc * alpha[:, None], INPUT_PRECISION, UPCAST)
-    return m_i, l_i, r_i, acc
+        r_i = r_i * alpha + tl.sum(p.to(tl.float32), AX)
+    acc = dot(p, b_v, acc * tl.expand_dims(alpha, AX), INPUT_PRECISION, UPCAST)
+    return l_i, r_i, acc
 
 
 @triton.jit
