@@ -9,7 +9,10 @@ bf16, Hq=32, Hkv=8, D=128, every sequence at the full context T. Sections (``--s
 * ``peers``: B in {1, 4, 16, 64} x T in {2k, 8k, 32k, 128k} at pages of 16 and 64: cp_attention paged,
   FlashInfer XQA (page 16 or 64) and FlashInfer fa2 tensor cores on the same page size;
 * ``drafts``: B=32 T=8k with Q=4 rows (the causal rule among the drafts) against Q=1 (the same bytes), and
-  FlashInfer's 4-row paths: XQA and fa2 with ``q_len_per_req=4``.
+  FlashInfer's 4-row paths: XQA and fa2 with ``q_len_per_req=4``;
+* ``fp8``: e4m3 page pools (per-tensor scales) of 1, 16 and 64 slots at the FP8 bar's shapes (B=1 T=128k and
+  1M, B=16 T=32k, B=64 T=8k) against the dense e4m3 cache, the dense bf16 cache and FlashInfer's XQA on
+  e4m3 pages of 16 and 64 (run it with ``--name bench_paged_fp8`` to keep the 16-bit results).
 
 µs per call with 20 calls captured in one CUDA graph and per eager call (benchmarks/_harness.py), TB/s of
 the K+V bytes. Needs FlashInfer for the peer lines (installed as bench_decode.py's docstring says; without it
@@ -17,8 +20,9 @@ those rows record the import error):
 
     PYTHONPATH=/tmp/site:. python3 benchmarks/bench_paged.py
     PYTHONPATH=. python3 benchmarks/bench_paged.py --sections page-vs-dense drafts
+    PYTHONPATH=/tmp/site:. python3 benchmarks/bench_paged.py --sections fp8 --name bench_paged_fp8
 
-Writes benchmarks/results/bench_paged.json and bench_paged.png.
+Writes benchmarks/results/bench_paged.json and bench_paged.png (``--name`` to change the file names).
 """
 from __future__ import annotations
 
@@ -38,7 +42,8 @@ from benchmarks._harness import RESULTS, TOLERANCES, measure, table, tbs, tqdm, 
 from cp_attention import flash_decode  # noqa: E402
 
 HQ, HKV, D, DT = 32, 8, 128, torch.bfloat16
-SECTIONS = ("page-vs-dense", "peers", "drafts")
+SECTIONS = ("page-vs-dense", "peers", "drafts", "fp8")
+FP8_SHAPES = ((1, 131072), (16, 32768), (64, 8192), (1, 1 << 20))
 
 
 def cases(sections):
@@ -67,14 +72,24 @@ def cases(sections):
                                                                                       page_size=16),
                                                      "fa2 page 16": functools.partial(peers.flashinfer_fa2,
                                                                                       page_size=16)}))
+    if "fp8" in sections:
+        for b, t in FP8_SHAPES:
+            impls = {"cp dense": peers.cp_attention, "cp dense e4m3": peers.cp_attention_fp8}
+            for p in (1, 16, 64):
+                impls[f"cp page {p} e4m3"] = functools.partial(peers.cp_attention_paged, page_size=p, fp8=True)
+            for p in (16, 64):
+                impls[f"xqa page {p} e4m3"] = functools.partial(peers.flashinfer_xqa, page_size=p, fp8=True)
+            out.append(("fp8", b, t, 1, impls))
     return out
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
+    ap.add_argument("--sections", nargs="+", default=list(SECTIONS[:3]), choices=SECTIONS,
+                    help="default: the 16-bit sections")
     ap.add_argument("--time-budget-s", type=float, default=420.0,
                     help="start no new shape after this many seconds (what was measured is still written)")
+    ap.add_argument("--name", default="bench_paged", help="file name of the JSON and PNG in benchmarks/results/")
     args = ap.parse_args()
     start = time.monotonic()
     rows, not_run = [], []
@@ -93,16 +108,17 @@ def main():
         for name, build in impls.items():
             measure(row, name, functools.partial(build, q, k, v), ref, f"{section} B={b} T={t} Q={q_rows}")
             if f"{name}_graph_us" in row:
-                row[f"{name}_ok"] = row[f"{name}_maxdiff"] != "non-finite" and row[f"{name}_maxdiff"] <= TOLERANCES[DT]
+                tol = TOLERANCES[torch.float8_e4m3fn if "e4m3" in name else DT]  # FP8: with the quantisation
+                row[f"{name}_ok"] = row[f"{name}_maxdiff"] != "non-finite" and row[f"{name}_maxdiff"] <= tol
                 row[f"{name}_TBs"] = tbs(kv_bytes, row[f"{name}_graph_us"])
         rows.append(row)
-        write_json("bench_paged", {"rows": rows, "not_run": not_run})
+        write_json(args.name, {"rows": rows, "not_run": not_run})
         del q, k, v, ref
         gc.collect()
         torch.cuda.empty_cache()
-    path = write_json("bench_paged", {"rows": rows, "not_run": not_run})
+    path = write_json(args.name, {"rows": rows, "not_run": not_run})
     if rows:
-        plot(rows)
+        plot(rows, args.name)
     for r in rows:
         for key, val in r.items():
             if key.endswith("_error") or (key.endswith("_ok") and not val):
@@ -115,7 +131,7 @@ def main():
                   **{n: r.get(f"{n}_graph_us", "") for n in names}} for r in rows], ["section", "B", "T", "Q"] + names))
 
 
-def plot(rows):
+def plot(rows, name):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -133,7 +149,7 @@ def plot(rows):
     ax.set_ylabel("TB/s (K+V bytes / graph time)")
     ax.legend(fontsize=6, ncol=3)
     fig.tight_layout()
-    fig.savefig(RESULTS / "bench_paged.png", dpi=120)
+    fig.savefig(RESULTS / f"{name}.png", dpi=120)
 
 
 if __name__ == "__main__":

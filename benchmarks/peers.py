@@ -45,9 +45,10 @@ def cp_attention_fp8(q, k, v, *, dtype=torch.float8_e4m3fn, per_head: bool = Fal
     return lambda: flash_decode(q, k8, v8, k_scale=k_scale, v_scale=v_scale)
 
 
-def cp_attention_paged(q, k, v, *, page_size: int = 16):
-    """cp_attention.flash_decode on a paged NHD copy of the cache (the pages of :func:`paged`)."""
-    kp, vp, kwargs = cache_form(k, v, page_size=page_size)
+def cp_attention_paged(q, k, v, *, page_size: int = 16, fp8: bool = False):
+    """cp_attention.flash_decode on a paged NHD copy of the cache (the pages of :func:`paged`), in e4m3 with
+    per-tensor scales with ``fp8`` (:func:`cache_form`)."""
+    kp, vp, kwargs = cache_form(k, v, fp8=fp8, page_size=page_size)
     return lambda: flash_decode(q, kp, vp, **kwargs)
 
 

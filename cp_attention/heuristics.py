@@ -157,8 +157,8 @@ def table_pages(plan: DecodePlan, page_size: int) -> int:
 
 # 64-key tiles in two stages, four programs per SM (registers capped at 128): many sequences × KV heads
 FOUR_PER_SM = DecodeConfig(64, 4, 2, programs=4, maxnreg=128)  # 65536 registers / (4 programs x 128 threads)
-# FP8 caches: 64-key tiles, two warps, three stages, four programs per SM (39-45 KB of shared memory, 244-255
-# registers on sm_90 without spills for query tiles of up to 32 rows; 64 rows spill)
+# FP8 caches, dense or paged: 64-key tiles, two warps, three stages, four programs per SM (23-49 KB of shared
+# memory, 241-255 registers on sm_90 without spills for query tiles of up to 32 rows; 64 rows spill)
 FP8_TWO_WARPS = DecodeConfig(64, 2, 3, programs=4)
 # Head dims over 128 (dense caches, query tiles of at most 32 rows): two programs per SM, counted from sm_90
 # compiles at D = 256 (16-bit: 105-128 registers x 256 threads, 76-87 KB; FP8: 199-255 x 128, 76-87 KB).
@@ -179,15 +179,19 @@ def decode_config(head_dim: int, dtype: torch.dtype, t_max: int | None = None, p
     µs against 68.7 at the best split count of 128-key tiles, at B=16 T=32k 246 against 257).
 
     An FP8 cache of more than 512 positions, head dim 65-128, read by query tiles of at most 32 rows
-    (``rows``: query rows per KV head, Q x GQA) takes :data:`FP8_TWO_WARPS`, unless ``table`` (the paged
-    register path, whose block-table entries share the registers: 2048 entries on 4 causal rows spill at
-    two warps; not measured there). The FP8 loop is bound by the latency of each tile's chain (the
-    conversions' shared-memory round trips, cross-warp reductions), not by bytes or issue: two warps a
-    program halve the cross-warp work and four programs per SM overlap the chains. H200, graph µs, e4m3:
-    B=1 T=128k 77.3 against 86.4 with 128 x 4 x 3, B=64 T=8k 301.5 against 322.5, B=16 T=32k 300.8
-    against 324.6; GQA 7 (28/4/128) B=1 T=128k 45.8 against 61.2; eight draft rows (32 rows a tile) B=1
-    T=128k 114.6 against 124.1; sixteen (64 rows) keep 128 x 4 x 3 (128.3 against 148.2-158.5 with 64-key
-    tiles of four warps) (benchmarks/NOTES.md, tenth round).
+    (``rows``: query rows per KV head, Q x GQA) takes :data:`FP8_TWO_WARPS`, dense or paged (through the
+    register table, ``table``, or one table entry per key). The FP8 loop is bound by the latency of each
+    tile's chain (the conversions' shared-memory round trips, cross-warp reductions), not by bytes or
+    issue: two warps a program halve the cross-warp work and four programs per SM overlap the chains.
+    H200, graph µs, e4m3, dense: B=1 T=128k 77.3 against 86.4 with 128 x 4 x 3, B=64 T=8k 301.5 against
+    322.5, B=16 T=32k 300.8 against 324.6; GQA 7 (28/4/128) B=1 T=128k 45.8 against 61.2; eight draft rows
+    (32 rows a tile) B=1 T=128k 114.6 against 124.1; sixteen (64 rows) keep 128 x 4 x 3 (128.3 against
+    148.2-158.5 with 64-key tiles of four warps) (benchmarks/NOTES.md, tenth round). NHD page pools
+    (fifteenth round): pages of 16 through the register table, B=1 T=128k 78.8-79.3 against 84.6-85.3
+    with 128 x 4 x 3, B=16 T=32k 306-307 against 321-323, four draft rows 82.7 against 90.3; pages of 64
+    B=1 T=128k 77.8-78.0 against 86.0-86.5, B=16 T=32k and B=64 T=8k level; pages of one position (one
+    entry per key: 243-255 registers on sm_90, four programs fit) B=1 T=128k 100.4-102.0 against 113.7
+    (64 x 4 x 3, three per SM) and 142 (two per SM), B=64 T=8k 351-357 against 546.
 
     Head dims over 128 (dense caches, query tiles of at most 32 rows): :data:`WIDE_HEADS` for 16-bit
     caches, :data:`WIDE_FP8` for FP8 ones, two programs per SM (the shared-memory estimate of
@@ -203,8 +207,8 @@ def decode_config(head_dim: int, dtype: torch.dtype, t_max: int | None = None, p
     three with pages of one position (159 registers). Measured at B=1 T=128k, pages of 16: 131.8 µs at 64
     splits (512 programs, one wave of four per SM) against 148.2 at 48 (benchmarks/NOTES.md). An FP8 page
     pool read this way (one table entry per key: windows, row limits, pages that are not a power of two of
-    16 or more) takes 148-185 registers on sm_90, so two programs per SM are counted (four and three were,
-    fourteenth round: not measured on the GPU).
+    16 or more) that does not take :data:`FP8_TWO_WARPS` (query tiles of 64 rows, head dims of at most 64)
+    takes 148-185 registers on sm_90 at four warps: two programs per SM are counted.
 
     >>> decode_config(128, torch.bfloat16, 131072, page_size=16)
     DecodeConfig(block_n=64, num_warps=4, num_stages=3, programs=4, maxnreg=0)
@@ -220,10 +224,10 @@ def decode_config(head_dim: int, dtype: torch.dtype, t_max: int | None = None, p
         return FOUR_PER_SM
     if t_max is not None and t_max <= 512:
         return DecodeConfig(64, 4, 2)
-    if (kv_dtype or dtype).itemsize == 1 and head_dim > 64 and rows <= 32 and not page_size and not table:
+    if (kv_dtype or dtype).itemsize == 1 and head_dim > 64 and rows <= 32:  # dense or paged
         return FP8_TWO_WARPS
     if page_size:
-        if (kv_dtype or dtype).itemsize == 1:  # FP8: 148-185 registers on sm_90, two programs fit an SM
+        if (kv_dtype or dtype).itemsize == 1:  # FP8, 64 rows: 148-185 registers on sm_90, two programs fit an SM
             return DecodeConfig(64, 4, 3, programs=2)
         return DecodeConfig(64, 4, 3, programs=4 if page_size > 1 else 3)
     if head_dim <= 64 and t_max is not None and t_max >= 32768 and (kv_dtype or dtype).itemsize == 2:

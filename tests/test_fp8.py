@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from cp_attention import AttentionState, CascadeLevel, cascade_decode, flash_decode, quantize_kv
-from cp_attention.heuristics import FP8_TWO_WARPS, DecodePlan
+from cp_attention.heuristics import FP8_TWO_WARPS, REFERENCE_SMS, DecodePlan, decode_plan
 from cp_attention.reference import attention
 
 from .conftest import DEVICE, assert_state_matches
@@ -185,6 +185,35 @@ def test_fp8_key_streams_against_the_dequantised_oracle(dtype8, per_head, q_rows
     for splits, tiles in ((1, 6), (3, 2)):
         plan = DecodePlan(FP8_TWO_WARPS, splits, tiles, streams=4)
         got = flash_decode(q, k8, v8, sl, k_scale=ks, v_scale=vs, plan=plan, return_lse=True, **kw)
+        assert_state_matches(got, ref, q.dtype)
+
+
+# Paged FP8 caches past 512 positions in the two-warp tiles: page size, layout, dtype, new rows per request,
+# window, and whether the plan reads the block table into registers (else one entry per key)
+PAGED_CASES = [(16, "NHD", torch.float8_e4m3fn, 1, None, True), (64, "HND", torch.float8_e4m3fn, 4, None, True),
+               (1, "NHD", torch.float8_e4m3fn, 3, None, False), (24, "HND", torch.float8_e5m2, 2, None, False),
+               (256, "NHD", torch.float8_e4m3fn, 2, None, True), (16, "NHD", torch.float8_e4m3fn, 1, 200, False)]
+
+
+@pytest.mark.parametrize("page_size,layout,dtype8,q_rows,window,registers", PAGED_CASES,
+                         ids=[f"page{c[0]}-{c[1]}-{str(c[2])[6:]}-Q{c[3]}{'-window' if c[4] else ''}"
+                              for c in PAGED_CASES])
+def test_fp8_paged_two_warp_plans_against_the_dequantised_oracle(page_size, layout, dtype8, q_rows, window,
+                                                                 registers):
+    """The policy's plan of an FP8 page pool of 700 positions (shuffled pages, NaN in the spare ones): the
+    two-warp tiles with the split's table entries in registers, each key's page gathered (tiles over four
+    pages, a page, a quarter page), or one entry per key (pages of one, of 24, a window); ragged and empty
+    sequences; the policy's splits (one tile each) and two splits."""
+    q, k, v, sl = dense_cache(3, 8, 2, 700, 128, [700, 333, 0], q_rows=q_rows, dtype=torch.bfloat16, seed=31)
+    k8, v8, ks, vs = quantize_kv(k, v, dtype8, per_head=True)
+    ref = attention(q.double(), dequantized(k8, ks, 1), dequantized(v8, vs, 1), sl, window_left=window)
+    plan = decode_plan(3, 2, 700, 128, torch.bfloat16, REFERENCE_SMS, kv_dtype=dtype8, page_size=page_size,
+                       aligned=window is None, rows=q_rows * 4)
+    assert plan.config == FP8_TWO_WARPS and plan.streams == 1 and (plan.split_pages > 0) == registers, plan
+    kp, vp, table = page_pool(k8, v8, sl, page_size, layout, seed=5)
+    for splits in (None, 2):
+        got = flash_decode(q, kp, vp, sl, block_table=table, kv_layout=layout, k_scale=ks, v_scale=vs,
+                           window_left=window, num_splits=splits, return_lse=True)
         assert_state_matches(got, ref, q.dtype)
 
 

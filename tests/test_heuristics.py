@@ -28,12 +28,15 @@ def test_decode_configs():
     assert decode_config(128, torch.bfloat16, 2048, waves=512 / 132) == FOUR_PER_SM
     assert decode_config(128, torch.bfloat16, 2048, waves=128 / 132) == DecodeConfig(128, 4, 3)
     assert decode_config(128, torch.bfloat16, 8192, waves=512 / 132) == DecodeConfig(128, 4, 3)
-    # FP8 caches: two warps a program, four programs per SM, for query tiles of up to 32 rows, dense only
+    # FP8 caches: two warps a program, four programs per SM, for query tiles of up to 32 rows, dense or paged
     fp8 = torch.float8_e4m3fn
     assert decode_config(128, torch.bfloat16, 2048, waves=512 / 132, kv_dtype=fp8) == FP8_TWO_WARPS
     assert decode_config(128, torch.bfloat16, 131072, kv_dtype=fp8, rows=32) == FP8_TWO_WARPS
     assert decode_config(128, torch.bfloat16, 131072, kv_dtype=fp8, rows=64) == DecodeConfig(128, 4, 3)
-    assert decode_config(128, torch.bfloat16, 131072, kv_dtype=fp8, table=True) == DecodeConfig(128, 4, 3)
+    assert decode_config(128, torch.bfloat16, 131072, kv_dtype=fp8, table=True) == FP8_TWO_WARPS
+    assert decode_config(128, torch.bfloat16, 131072, page_size=1, kv_dtype=fp8, rows=32) == FP8_TWO_WARPS
+    assert decode_config(128, torch.bfloat16, 131072, page_size=1, kv_dtype=fp8, rows=64) == DecodeConfig(
+        64, 4, 3, programs=2)
     assert decode_config(128, torch.bfloat16, 512, kv_dtype=fp8) == DecodeConfig(64, 4, 2)
     assert decode_plan(1, 8, 131072, 128, torch.bfloat16, 132, kv_dtype=fp8)[:3] == (FP8_TWO_WARPS, 64, 32)
     assert decode_plan(1, 8, 131072, 128, torch.bfloat16, 132, kv_dtype=fp8, rows=64).config.num_warps == 4
@@ -50,8 +53,15 @@ def test_decode_configs():
                                                                                     2048, 1)
     assert decode_plan(64, 8, 8192, 128, torch.bfloat16, 132, page_size=64).config == DecodeConfig(128, 4, 3)
     assert decode_plan(16, 8, 8192, 128, torch.bfloat16, 132, page_size=16).config == DecodeConfig(128, 4, 3)
-    assert decode_plan(64, 8, 8192, 128, torch.bfloat16, 132, kv_dtype=fp8,
-                       page_size=16).config.block_n == 128
+    # FP8 page pools: the dense FP8 plan, one stream, the table in registers where it fits (else in the loop)
+    assert decode_plan(64, 8, 8192, 128, torch.bfloat16, 132, kv_dtype=fp8, page_size=16) == (FP8_TWO_WARPS, 1, 128,
+                                                                                             False, 512, 1)
+    assert decode_plan(1, 8, 1 << 20, 128, torch.bfloat16, 132, kv_dtype=fp8, page_size=64)[1:] == (66, 249, False,
+                                                                                                256, 1)
+    assert decode_plan(1, 8, 131072, 128, torch.bfloat16, 132, kv_dtype=fp8, page_size=1)[:] == (FP8_TWO_WARPS, 64, 32,
+                                                                                                False, 0, 1)
+    assert decode_plan(1, 8, 131072, 128, torch.bfloat16, 132, kv_dtype=fp8, page_size=16,
+                       rows=64).config == DecodeConfig(128, 4, 3)
     # head dim 256, dense, up to 32 rows a tile: two programs per SM (paged and 64 rows keep 64 x 4 x 2)
     assert decode_config(256, torch.float16) == WIDE_HEADS == DecodeConfig(64, 8, 2, programs=2)
     assert decode_config(256, torch.bfloat16, 131072, kv_dtype=fp8) == WIDE_FP8 == DecodeConfig(64, 4, 3, programs=2)

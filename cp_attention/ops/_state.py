@@ -53,7 +53,11 @@ of 16 or more and the splits start on a tile, the entries of a split (``SPLIT_PA
 picked from those registers (one page: a ``where`` and a sum of one nonzero entry, exact; several:
 ``tl.gather``, one round trip through shared memory whose cost does not grow with the entries, where a
 where-and-sum over them cost 2.5-5.5% at 128 entries and 10% at 512): the loop is the dense loop, with the
-dense plan (sm_90 compile: 139.5 KB, the dense ``cp.async`` count). Where a split of the dense plan
+dense plan (sm_90 compile: 139.5 KB, the dense ``cp.async`` count). The FP8 two-warp tiles
+(``PAGE_GATHER``) gather a one-page tile's entry too: the where-and-sum crosses both warps through shared
+memory every tile, and the gather's round trip is hidden by the SM's other three programs (e4m3 pages of
+64, 128 entries a split, B=64 T=8k and B=16 T=32k: 338-341 → 311-314 µs), whereas for a bf16 tile of 128
+keys, one program per SM, it was 24% slower (pages of 256, B=1 T=1M: 960-1001 → 1209-1212). Where a split of the dense plan
 touches more entries than fit, the plan's splits are capped to fit. Measured on the H200, graph µs, same
 process: pages of 16, B=1 T=128k 126.8 against 127.3 dense, B=64 T=8k 479.9 against 478.3, B=16 T=128k
 (capped) 1908 against 1876; pages of 64, B=16 T=128k 1880 (benchmarks/NOTES.md, eighth round).
@@ -196,7 +200,7 @@ def attend_tiles(b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt, p_bt, stri
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
                  IS_PAGED: tl.constexpr, HAS_ROW_LO: tl.constexpr, HAS_ROW_HI: tl.constexpr, SOFTCAP: tl.constexpr,
                  INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT_PAGES: tl.constexpr = 0,
-                 RSUM_DOT: tl.constexpr = False, STREAMS: tl.constexpr = 1):
+                 RSUM_DOT: tl.constexpr = False, STREAMS: tl.constexpr = 1, PAGE_GATHER: tl.constexpr = False):
     """Level 1: the query rows ``b_q [BLOCK_M, BLOCK_D]`` attend to the keys ``[t_start, t_end)`` of one KV
     head, ``BLOCK_N`` keys per tile through ``tl.dot``, with the online softmax. In a dense cache key ``t``
     is at ``p_k + t * stride_kt + o_d``; in a page pool (``IS_PAGED``) at ``p_k + page * stride_kp + (t %
@@ -211,7 +215,8 @@ def attend_tiles(b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt, p_bt, stri
     ``SPLIT_PAGES`` > 0 (paged; ``PAGE_SIZE`` and ``BLOCK_N`` powers of two; ``t_start`` a multiple of
     ``BLOCK_N``; at most ``SPLIT_PAGES`` pages in the range): the range's block-table entries are loaded
     once, before the loop, into registers; a tile's pages are picked from them by arithmetic, so no load
-    inside the loop feeds a K/V address (Note [Paged tiles from registers]).
+    inside the loop feeds a K/V address (Note [Paged tiles from registers]); ``PAGE_GATHER``: a tile within
+    one page picks its entry by ``tl.gather`` too, not by a where-and-sum over the entries.
 
     ``RSUM_DOT``: the sum of the rounded weights on the tensor cores (Note [Attention states inside
     kernels], Rounding).
@@ -244,14 +249,16 @@ def attend_tiles(b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt, p_bt, stri
             m_i, l_i, r_i, acc = attend_tile(m_i, l_i, r_i, acc, b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt,
                                            p_bt, stride_btp, stride_kp, stride_vp, num_pages, t0, t_end, qk_scale,
                                            cap, o_d, m_d, pages, pg0, BLOCK_N, PAGE_SIZE, IS_PAGED, HAS_ROW_LO,
-                                           HAS_ROW_HI, SOFTCAP, INPUT_PRECISION, UPCAST, SPLIT_PAGES, RSUM_DOT)
+                                           HAS_ROW_HI, SOFTCAP, INPUT_PRECISION, UPCAST, SPLIT_PAGES, RSUM_DOT,
+                                           PAGE_GATHER)
             t0 += BLOCK_N
     else:
         for t0 in range(t_start, t_end, BLOCK_N):
             m_i, l_i, r_i, acc = attend_tile(m_i, l_i, r_i, acc, b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt,
                                            p_bt, stride_btp, stride_kp, stride_vp, num_pages, t0, t_end, qk_scale,
                                            cap, o_d, m_d, pages, pg0, BLOCK_N, PAGE_SIZE, IS_PAGED, HAS_ROW_LO,
-                                           HAS_ROW_HI, SOFTCAP, INPUT_PRECISION, UPCAST, SPLIT_PAGES, RSUM_DOT)
+                                           HAS_ROW_HI, SOFTCAP, INPUT_PRECISION, UPCAST, SPLIT_PAGES, RSUM_DOT,
+                                           PAGE_GATHER)
     if RSUM_DOT:
         o, _ = finalize(m_i, tl.max(r_i, 1), acc, LN2)
     else:
@@ -330,19 +337,19 @@ def attend_tile(m_i, l_i, r_i, acc, b_q, row_lo, row_hi, p_k, p_v, stride_kt, st
                 stride_vp, num_pages, t0, t_end, qk_scale, cap, o_d, m_d, pages, pg0,
                 BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, IS_PAGED: tl.constexpr, HAS_ROW_LO: tl.constexpr,
                 HAS_ROW_HI: tl.constexpr, SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                SPLIT_PAGES: tl.constexpr, RSUM_DOT: tl.constexpr):
+                SPLIT_PAGES: tl.constexpr, RSUM_DOT: tl.constexpr, PAGE_GATHER: tl.constexpr):
     """One step of :func:`attend_tiles`: fold the keys ``[t0, min(t0 + BLOCK_N, t_end))``."""
     o_t = t0 + tl.arange(0, BLOCK_N)
     m_t = o_t < t_end
     m_td = m_t[:, None] & m_d[None, :]
     if SPLIT_PAGES > 0:  # the tile's pages, from the registers (Note [Paged tiles from registers])
         i_pg = t0 // PAGE_SIZE - pg0  # the tile's first page among the range's
-        if BLOCK_N <= PAGE_SIZE:  # one page (tl.sum of one nonzero entry: exact)
+        if BLOCK_N <= PAGE_SIZE and not PAGE_GATHER:  # one page (tl.sum of one nonzero entry: exact)
             o_pg = tl.arange(0, SPLIT_PAGES)
             page = tl.sum(tl.where(o_pg == i_pg, pages, 0), 0).to(tl.int64)
             slot = (t0 % PAGE_SIZE + tl.arange(0, BLOCK_N)).to(tl.int64)
-        else:  # BLOCK_N // PAGE_SIZE pages: each key's, gathered (one round trip through shared memory)
-            o_kk = tl.arange(0, BLOCK_N)
+        else:  # each key's page, gathered (one round trip through shared memory)
+            o_kk = t0 % PAGE_SIZE + tl.arange(0, BLOCK_N)  # offsets from the first page's start
             page = tl.gather(pages, i_pg + o_kk // PAGE_SIZE, 0).to(tl.int64)
             slot = (o_kk % PAGE_SIZE).to(tl.int64)
     elif IS_PAGED:

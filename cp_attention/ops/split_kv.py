@@ -108,7 +108,7 @@ def _split_kv_kernel(
     HAS_SEQ_LENS: tl.constexpr, IS_PAGED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_ROW_LIMITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, KV_SCALE: tl.constexpr,
     EXPORT: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT_PAGES: tl.constexpr,
-    PDL: tl.constexpr, STREAMS: tl.constexpr,
+    PDL: tl.constexpr, STREAMS: tl.constexpr, PAGE_GATHER: tl.constexpr,
 ):
     if PDL:  # Note [Programmatic dependent launch]: nothing is read before the previous kernel is done
         gdc_wait()
@@ -161,7 +161,7 @@ def _split_kv_kernel(
                               stride_btp, stride_kb, stride_vb, NUM_PAGES, t_start, t_end, qk_scale, cap, o_d, m_d,
                               BLOCK_H, BLOCK_N, BLOCK_D, PAGE_SIZE, IS_PAGED, HAS_WINDOW or HAS_ROW_LIMITS,
                               IS_CAUSAL or HAS_ROW_LIMITS, SOFTCAP, INPUT_PRECISION, UPCAST, SPLIT_PAGES,
-                              STREAMS=STREAMS)
+                              STREAMS=STREAMS, PAGE_GATHER=PAGE_GATHER)
     if PDL:  # the K/V reads are done: the next kernel may start its launch
         gdc_launch_dependents()
     if KV_SCALE != 0:
@@ -284,7 +284,7 @@ def split_kv_launch_config(dtype, group: int, q_rows: int, head_dim: int, plan, 
                       HAS_WINDOW=window, SOFTCAP=softcap, HAS_SINKS=sinks and not export, KV_SCALE=kv_scale,
                       EXPORT=export, **dot_flags(dtype),
                       SPLIT_PAGES=0 if window or row_limits or not page_size else plan.split_pages, PDL=pdl,
-                      STREAMS=plan.streams)
+                      STREAMS=plan.streams, PAGE_GATHER=plan.config == FP8_TWO_WARPS)
     return constexprs, split_kv_options(plan.config, pdl), tiling
 
 
@@ -336,7 +336,7 @@ def _aot_spec(group, q_rows, export, page_size=0, causal=False, row_limits=False
                            IS_PAGED=page_size > 0, IS_CAUSAL=causal, HAS_ROW_LIMITS=row_limits,
                            HAS_WINDOW=window, SOFTCAP=softcap, HAS_SINKS=sinks and not export, KV_SCALE=kv_scale,
                            EXPORT=export, INPUT_PRECISION="tf32", UPCAST=False, SPLIT_PAGES=split_pages, PDL=True,
-                           STREAMS=streams),
+                           STREAMS=streams, PAGE_GATHER=config == FP8_TWO_WARPS),
         "options": split_kv_options(config, pdl=True),
         "programs": config.programs,  # the plan's programs per SM, checked against the compile (tests/test_aot.py)
     }
@@ -344,10 +344,11 @@ def _aot_spec(group, q_rows, export, page_size=0, causal=False, row_limits=False
 
 # Realistic sm_90 compiles of this file's kernels, checked on the CPU by tests/test_aot.py: dense single-row
 # (GQA 4 split, GQA 5, GQA 8 split), paged (page 16 and page 64), 4 causal rows, 16 rows x GQA 8 with
-# row limits (two row tiles), FP8 caches (e4m3 with scalar scales; e5m2 paged with per-head scales), and the
-# variants: a window with sinks (split and not), a softcap on 4 causal rows, 64-key tiles split, head dim 64
-# in 256-key tiles; paged tables in registers (2048 entries of 16, pages of 256, 2048 FP8 pages of 64 with 4
-# causal rows; four programs per SM, registers capped at 128: 32 pages of 64, 2048 of 16 split; FP8 in two
+# row limits (two row tiles), FP8 caches (e4m3 with scalar scales; e5m2 paged in two warps with per-head
+# scales, one table entry per key; e4m3 pages of one in 64-row tiles), and the variants: a window with sinks
+# (split and not), a softcap on 4 causal rows, 64-key tiles split, head dim 64 in 256-key tiles; paged tables
+# in registers (2048 entries of 16, pages of 256, 2048 FP8 pages of 64 in two warps with 8 causal rows; four
+# programs per SM, registers capped at 128: 32 pages of 64, 2048 of 16 split; FP8 in two
 # warps: e4m3 split, e5m2 with per-head scales on 8 causal rows; and in four key streams: e4m3 split, e5m2
 # with per-head scales on 4 causal rows in a window with a softcap); head dim 256 (GQA 2: 16-bit split,
 # e4m3 with per-head scales on 4 causal rows);
@@ -362,7 +363,10 @@ AOT_SPECS = [_aot_spec(4, 1, True), _aot_spec(5, 1, False), _aot_spec(8, 1, True
              _aot_spec(4, 4, True, causal=True, softcap=True), _aot_spec(4, 1, True, block_n=64),
              _aot_spec(4, 1, True, block_n=256, head_dim=64),
              _aot_spec(4, 1, True, page_size=16, split_pages=2048), _aot_spec(4, 1, False, page_size=256, split_pages=16),
-             _aot_spec(4, 4, True, page_size=64, causal=True, kv="fp8e4nv", kv_scale=2, split_pages=2048),
+             _aot_spec(4, 8, True, page_size=64, causal=True, kv="fp8e4nv", kv_scale=2, split_pages=2048,
+                       config=FP8_TWO_WARPS),
+             _aot_spec(4, 16, True, page_size=1, causal=True, kv="fp8e4nv", kv_scale=1,
+                       config=decode_config(128, torch.bfloat16, page_size=1, kv_dtype=torch.float8_e4m3fn, rows=64)),
              _aot_spec(4, 1, False, page_size=64, split_pages=32, config=FOUR_PER_SM),
              _aot_spec(4, 1, True, page_size=16, split_pages=2048, config=FOUR_PER_SM),
              _aot_spec(4, 1, True, kv="fp8e4nv", kv_scale=1, config=FP8_TWO_WARPS),
