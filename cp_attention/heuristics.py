@@ -23,8 +23,8 @@ from typing import NamedTuple
 import torch
 
 __all__ = ["num_splits", "num_sms", "use_pdl", "DecodeConfig", "DecodePlan", "FOUR_PER_SM", "FP8_TWO_WARPS",
-           "decode_config", "decode_plan", "deterministic_plan", "PrefixConfig", "PrefixPlan", "prefix_config",
-           "prefix_plan", "REFERENCE_SMS"]
+           "FP8_TABLE_LOOP", "WIDE_HEADS", "WIDE_FP8", "decode_config", "decode_plan", "deterministic_plan",
+           "PrefixConfig", "PrefixPlan", "prefix_config", "prefix_plan", "REFERENCE_SMS"]
 
 # CPU tensors (the Triton interpreter) are planned as for the H200 the defaults were tuned on, so the
 # interpreter runs the split layouts the GPU runs.
@@ -160,10 +160,15 @@ FOUR_PER_SM = DecodeConfig(64, 4, 2, programs=4, maxnreg=128)  # 65536 registers
 # FP8 caches, dense or paged: 64-key tiles, two warps, three stages, four programs per SM (23-49 KB of shared
 # memory, 241-255 registers on sm_90 without spills for query tiles of up to 32 rows; 64 rows spill)
 FP8_TWO_WARPS = DecodeConfig(64, 2, 3, programs=4)
-# Head dims over 128 (dense caches, query tiles of at most 32 rows): two programs per SM, counted from sm_90
-# compiles at D = 256 (16-bit: 105-128 registers x 256 threads, 76-87 KB; FP8: 199-255 x 128, 76-87 KB).
+# FP8 page pools read one table entry per key: the same tiles in five stages, which Triton's pipeliner turns
+# into two K/V tiles in flight beside the table load's stage (three or four stages: one; sm_90, 232-255
+# registers, 40-46 KB, four programs per SM)
+FP8_TABLE_LOOP = DecodeConfig(64, 2, 5, programs=4)
+# Head dims over 128 (dense caches, query tiles of at most 32 rows), counted from sm_90 compiles at D = 256:
+# 16-bit, two programs per SM (105-128 registers x 256 threads, 76-87 KB); FP8, 32-key tiles of two warps,
+# four per SM (251-255 registers x 64 threads, 42-52 KB).
 WIDE_HEADS = DecodeConfig(64, 8, 2, programs=2)
-WIDE_FP8 = DecodeConfig(64, 4, 3, programs=2)
+WIDE_FP8 = DecodeConfig(32, 2, 3, programs=4)
 
 
 def decode_config(head_dim: int, dtype: torch.dtype, t_max: int | None = None, page_size: int = 0,
@@ -189,17 +194,20 @@ def decode_config(head_dim: int, dtype: torch.dtype, t_max: int | None = None, p
     148.2-158.5 with 64-key tiles of four warps) (benchmarks/NOTES.md, tenth round). NHD page pools
     (fifteenth round): pages of 16 through the register table, B=1 T=128k 78.8-79.3 against 84.6-85.3
     with 128 x 4 x 3, B=16 T=32k 306-307 against 321-323, four draft rows 82.7 against 90.3; pages of 64
-    B=1 T=128k 77.8-78.0 against 86.0-86.5, B=16 T=32k and B=64 T=8k level; pages of one position (one
-    entry per key: 243-255 registers on sm_90, four programs fit) B=1 T=128k 100.4-102.0 against 113.7
-    (64 x 4 x 3, three per SM) and 142 (two per SM), B=64 T=8k 351-357 against 546.
+    B=1 T=128k 77.8-78.0 against 86.0-86.5, B=16 T=32k and B=64 T=8k level (8% faster with the page
+    gathered, Note [Paged tiles from registers]). One table entry per key takes :data:`FP8_TABLE_LOOP`:
+    pages of one position, B=1 T=128k 83.2 against 102.0 in three stages, 113.7 with 64 x 4 x 3 (three per
+    SM) and 142 (two); B=64 T=8k 311-336 against 354-361 and 546; B=16 T=32k 312-332 against 368-369.
 
     Head dims over 128 (dense caches, query tiles of at most 32 rows): :data:`WIDE_HEADS` for 16-bit
-    caches, :data:`WIDE_FP8` for FP8 ones, two programs per SM (the shared-memory estimate of
-    :meth:`DecodeConfig.programs_per_sm` counted one for the 64 x 4 x 2 tiles these replaced, whose
-    pipeline holds one K/V buffer, not two; its FP8 compile's 255 registers fit two where it counted
-    three). H200, 16/8/256, graph µs at the split count of one wave (`tune_decode`, fourteenth round):
-    bf16 B=1 T=128k 244.2 against 312.2, B=16 T=32k 938.2 against 1172.9; e4m3 166.6 against 215.4 and
-    632.8 against 836.1. Paged caches and 64-row tiles keep 64 x 4 x 2 (not measured).
+    caches, two programs per SM (the shared-memory estimate of :meth:`DecodeConfig.programs_per_sm`
+    counted one for the 64 x 4 x 2 tiles it replaced, whose pipeline holds one K/V buffer, not two), and
+    :data:`WIDE_FP8` for FP8 ones, the FP8 two-warp shape at half the keys a tile. H200, 16/8/256, graph
+    µs at the split count of one wave: bf16 B=1 T=128k 244.2 against 312.2, B=16 T=32k 938.2 against
+    1172.9 (`tune_decode`, fourteenth round); e4m3 B=1 T=128k 148.2-148.9 against 165.3-166.4 with 64 x 4
+    x 3 (two per SM) and 215.4 with 64 x 4 x 2, B=16 T=32k 579-585 against 633-640 and 836, B=4 T=32k
+    147.3-147.7 against 165.3-166.5 (fifteenth round). Paged caches and 64-row tiles keep 64 x 4 x 2 (not
+    measured).
 
     ``page_size`` > 0 (a paged cache): 64-key tiles, of which four programs share an SM (126 registers
     per thread, 39 KB of shared memory: Triton's pipeliner gives the block-table load of a tile a stage of
@@ -207,7 +215,7 @@ def decode_config(head_dim: int, dtype: torch.dtype, t_max: int | None = None, p
     three with pages of one position (159 registers). Measured at B=1 T=128k, pages of 16: 131.8 µs at 64
     splits (512 programs, one wave of four per SM) against 148.2 at 48 (benchmarks/NOTES.md). An FP8 page
     pool read this way (one table entry per key: windows, row limits, pages that are not a power of two of
-    16 or more) that does not take :data:`FP8_TWO_WARPS` (query tiles of 64 rows, head dims of at most 64)
+    16 or more) that does not take :data:`FP8_TABLE_LOOP` (query tiles of 64 rows, head dims of at most 64)
     takes 148-185 registers on sm_90 at four warps: two programs per SM are counted.
 
     >>> decode_config(128, torch.bfloat16, 131072, page_size=16)
@@ -224,8 +232,8 @@ def decode_config(head_dim: int, dtype: torch.dtype, t_max: int | None = None, p
         return FOUR_PER_SM
     if t_max is not None and t_max <= 512:
         return DecodeConfig(64, 4, 2)
-    if (kv_dtype or dtype).itemsize == 1 and head_dim > 64 and rows <= 32:  # dense or paged
-        return FP8_TWO_WARPS
+    if (kv_dtype or dtype).itemsize == 1 and head_dim > 64 and rows <= 32:  # dense, the register table, or not
+        return FP8_TABLE_LOOP if page_size else FP8_TWO_WARPS
     if page_size:
         if (kv_dtype or dtype).itemsize == 1:  # FP8, 64 rows: 148-185 registers on sm_90, two programs fit an SM
             return DecodeConfig(64, 4, 3, programs=2)

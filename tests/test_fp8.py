@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from cp_attention import AttentionState, CascadeLevel, cascade_decode, flash_decode, quantize_kv
-from cp_attention.heuristics import FP8_TWO_WARPS, REFERENCE_SMS, DecodePlan, decode_plan
+from cp_attention.heuristics import FP8_TABLE_LOOP, FP8_TWO_WARPS, REFERENCE_SMS, WIDE_FP8, DecodePlan, decode_plan
 from cp_attention.reference import attention
 
 from .conftest import DEVICE, assert_state_matches
@@ -188,7 +188,20 @@ def test_fp8_key_streams_against_the_dequantised_oracle(dtype8, per_head, q_rows
         assert_state_matches(got, ref, q.dtype)
 
 
-# Paged FP8 caches past 512 positions in the two-warp tiles: page size, layout, dtype, new rows per request,
+@pytest.mark.parametrize("q_rows,kw", [(None, {}), (4, {"window_left": 50})], ids=["Q1", "Q4-window"])
+def test_fp8_head_dim_256_tiles_against_the_dequantised_oracle(q_rows, kw):
+    """The head-dim-256 FP8 tiles (32 keys, two warps): GQA 2, ragged and empty sequences, one split of every
+    tile or three splits."""
+    q, k, v, sl = dense_cache(3, 4, 2, 150, 256, [150, 41, 0], q_rows=q_rows, dtype=torch.bfloat16, seed=23)
+    k8, v8, ks, vs = quantize_kv(k, v, torch.float8_e4m3fn, per_head=True)
+    ref = attention(q.double(), dequantized(k8, ks, 1), dequantized(v8, vs, 1), sl, **kw)
+    for splits, tiles in ((1, 5), (3, 2)):
+        got = flash_decode(q, k8, v8, sl, k_scale=ks, v_scale=vs, plan=DecodePlan(WIDE_FP8, splits, tiles),
+                           return_lse=True, **kw)
+        assert_state_matches(got, ref, q.dtype)
+
+
+# Paged FP8 caches past 512 positions in two-warp tiles: page size, layout, dtype, new rows per request,
 # window, and whether the plan reads the block table into registers (else one entry per key)
 PAGED_CASES = [(16, "NHD", torch.float8_e4m3fn, 1, None, True), (64, "HND", torch.float8_e4m3fn, 4, None, True),
                (1, "NHD", torch.float8_e4m3fn, 3, None, False), (24, "HND", torch.float8_e5m2, 2, None, False),
@@ -209,7 +222,8 @@ def test_fp8_paged_two_warp_plans_against_the_dequantised_oracle(page_size, layo
     ref = attention(q.double(), dequantized(k8, ks, 1), dequantized(v8, vs, 1), sl, window_left=window)
     plan = decode_plan(3, 2, 700, 128, torch.bfloat16, REFERENCE_SMS, kv_dtype=dtype8, page_size=page_size,
                        aligned=window is None, rows=q_rows * 4)
-    assert plan.config == FP8_TWO_WARPS and plan.streams == 1 and (plan.split_pages > 0) == registers, plan
+    assert plan.config == (FP8_TWO_WARPS if registers else FP8_TABLE_LOOP) and plan.streams == 1, plan
+    assert (plan.split_pages > 0) == registers, plan
     kp, vp, table = page_pool(k8, v8, sl, page_size, layout, seed=5)
     for splits in (None, 2):
         got = flash_decode(q, kp, vp, sl, block_table=table, kv_layout=layout, k_scale=ks, v_scale=vs,

@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 from cp_attention import AttentionState, CascadeLevel, cascade_decode, flash_decode, merge_states
 from cp_attention.distributed import CPKVCache, cp_flash_decode, merge_across_ranks, set_exchange, shard_kv
 from cp_attention.exchange import exchange_for
+from cp_attention.heuristics import FP8_TABLE_LOOP, FP8_TWO_WARPS, WIDE_FP8, decode_plan, num_sms
 from cp_attention.ops import symm_merge
 from cp_attention.reference import attention
 
@@ -448,18 +449,36 @@ def test_multi_row_queries_against_float64(q_rows):
     assert torch.isneginf(got.lse[~finite]).all()
 
 
+# FP8 cache forms of the policy's configs: dense (two warps, key streams), head dim 256 (WIDE_FP8), NHD pools
+# of shuffled pages of one position (one table entry per key: FP8_TABLE_LOOP) and of 64 (the table in
+# registers, each tile's page gathered)
+FP8_FORMS = {"dense": (32, 128, 0, FP8_TWO_WARPS), "d256": (16, 256, 0, WIDE_FP8), "page1": (32, 128, 1, FP8_TABLE_LOOP),
+             "page64": (32, 128, 64, FP8_TWO_WARPS)}
+
+
+@pytest.mark.parametrize("form", list(FP8_FORMS))
 @pytest.mark.parametrize("dtype8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=lambda d: str(d)[6:])
-def test_fp8_long_cache_against_the_dequantised_oracle(dtype8):
+def test_fp8_long_cache_against_the_dequantised_oracle(dtype8, form):
     from cp_attention import quantize_kv
 
     torch.manual_seed(3)
-    b, hq, hkv, d, t = 2, 32, 8, 128, 40_000
+    hq, d, page, config = FP8_FORMS[form]
+    b, hkv, t = 2, 8, 40_000
     q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(b, hkv, t, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(b, hkv, t, d, device="cuda", dtype=torch.bfloat16)
     sl = torch.tensor([t, 9_999], device="cuda", dtype=torch.int32)
     k8, v8, ks, vs = quantize_kv(k, v, dtype8, per_head=True)
-    got = flash_decode(q, k8, v8, sl, k_scale=ks, v_scale=vs, return_lse=True)
+    plan = decode_plan(b, hkv, t, d, q.dtype, num_sms(q.device), kv_dtype=dtype8, page_size=page, rows=hq // hkv)
+    assert plan.config == config, plan
+    kc, vc, kw = k8, v8, {}
+    if page:
+        perm = torch.randperm(b * t // page, device="cuda")
+        kc, vc = (torch.empty(b * t // page, page, hkv, d, device="cuda", dtype=dtype8) for _ in range(2))
+        kc[perm] = k8.transpose(1, 2).reshape(-1, page, hkv, d)
+        vc[perm] = v8.transpose(1, 2).reshape(-1, page, hkv, d)
+        kw = dict(block_table=perm.view(b, -1).int(), kv_layout="NHD")
+    got = flash_decode(q, kc, vc, sl, k_scale=ks, v_scale=vs, return_lse=True, **kw)
     kd = k8.double() * ks.double().view(1, -1, 1, 1)
     vd = v8.double() * vs.double().view(1, -1, 1, 1)
     ref = attention(q.double(), kd, vd, sl)

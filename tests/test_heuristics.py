@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from cp_attention.heuristics import (FOUR_PER_SM, FP8_TWO_WARPS, REFERENCE_SMS, WIDE_FP8, WIDE_HEADS, DecodeConfig,
+from cp_attention.heuristics import (FOUR_PER_SM, FP8_TABLE_LOOP, FP8_TWO_WARPS, REFERENCE_SMS, WIDE_FP8, WIDE_HEADS, DecodeConfig,
                                       PrefixConfig, decode_config, decode_plan, num_sms, num_splits, prefix_config,
                                       prefix_num_splits, prefix_plan)
 
@@ -34,7 +34,7 @@ def test_decode_configs():
     assert decode_config(128, torch.bfloat16, 131072, kv_dtype=fp8, rows=32) == FP8_TWO_WARPS
     assert decode_config(128, torch.bfloat16, 131072, kv_dtype=fp8, rows=64) == DecodeConfig(128, 4, 3)
     assert decode_config(128, torch.bfloat16, 131072, kv_dtype=fp8, table=True) == FP8_TWO_WARPS
-    assert decode_config(128, torch.bfloat16, 131072, page_size=1, kv_dtype=fp8, rows=32) == FP8_TWO_WARPS
+    assert decode_config(128, torch.bfloat16, 131072, page_size=1, kv_dtype=fp8, rows=32) == FP8_TABLE_LOOP
     assert decode_config(128, torch.bfloat16, 131072, page_size=1, kv_dtype=fp8, rows=64) == DecodeConfig(
         64, 4, 3, programs=2)
     assert decode_config(128, torch.bfloat16, 512, kv_dtype=fp8) == DecodeConfig(64, 4, 2)
@@ -58,13 +58,14 @@ def test_decode_configs():
                                                                                              False, 512, 1)
     assert decode_plan(1, 8, 1 << 20, 128, torch.bfloat16, 132, kv_dtype=fp8, page_size=64)[1:] == (66, 249, False,
                                                                                                 256, 1)
-    assert decode_plan(1, 8, 131072, 128, torch.bfloat16, 132, kv_dtype=fp8, page_size=1)[:] == (FP8_TWO_WARPS, 64, 32,
-                                                                                                False, 0, 1)
+    assert decode_plan(1, 8, 131072, 128, torch.bfloat16, 132, kv_dtype=fp8, page_size=1)[:] == (FP8_TABLE_LOOP, 64,
+                                                                                                32, False, 0, 1)
+    assert FP8_TABLE_LOOP == DecodeConfig(64, 2, 5, programs=4)  # two K/V tiles in flight beside the table load
     assert decode_plan(1, 8, 131072, 128, torch.bfloat16, 132, kv_dtype=fp8, page_size=16,
                        rows=64).config == DecodeConfig(128, 4, 3)
     # head dim 256, dense, up to 32 rows a tile: two programs per SM (paged and 64 rows keep 64 x 4 x 2)
     assert decode_config(256, torch.float16) == WIDE_HEADS == DecodeConfig(64, 8, 2, programs=2)
-    assert decode_config(256, torch.bfloat16, 131072, kv_dtype=fp8) == WIDE_FP8 == DecodeConfig(64, 4, 3, programs=2)
+    assert decode_config(256, torch.bfloat16, 131072, kv_dtype=fp8) == WIDE_FP8 == DecodeConfig(32, 2, 3, programs=4)
     assert decode_config(256, torch.bfloat16, 131072, page_size=16) == DecodeConfig(64, 4, 2)
     assert decode_config(256, torch.bfloat16, 131072, rows=64) == DecodeConfig(64, 4, 2)
     assert decode_plan(1, 8, 131072, 256, torch.bfloat16, 132, rows=2)[:3] == (WIDE_HEADS, 33, 63)
