@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from cp_attention import AttentionState, CascadeLevel, cascade_decode, flash_decode, merge_states
 from cp_attention.distributed import CPKVCache, cp_flash_decode, merge_across_ranks, set_exchange, shard_kv
 from cp_attention.exchange import exchange_for
-from cp_attention.heuristics import FP8_TABLE_LOOP, FP8_TWO_WARPS, WIDE_FP8, decode_plan, num_sms
+from cp_attention.heuristics import FP8_TABLE_LOOP, FP8_TWO_WARPS, WIDE_FP8, decode_plan, num_sms, table_pages
 from cp_attention.ops import symm_merge
 from cp_attention.reference import attention
 
@@ -484,6 +484,32 @@ def test_fp8_long_cache_against_the_dequantised_oracle(dtype8, form):
     ref = attention(q.double(), kd, vd, sl)
     torch.testing.assert_close(got.o.double(), ref.o, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(got.lse.double(), ref.lse, atol=1e-3, rtol=1e-5)
+
+
+def test_paged_register_table_splits_full_of_entries():
+    """Splits whose block-table entries fill the register table (512 of 512: e4m3 16/8/256, pages of 16,
+    32-key tiles, B=16 T=32k): the pipeliner's addresses of the tiles past a split's end must not gather past
+    the entries (an unclamped index faulted with an illegal address in 3 of 4 processes on the H200)."""
+    from cp_attention import quantize_kv
+
+    torch.manual_seed(7)
+    b, hq, hkv, d, t, page = 16, 16, 8, 256, 32768, 16
+    q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
+    k8, v8, ks, vs = quantize_kv(*(torch.randn(b, hkv, t, d, device="cuda", dtype=torch.bfloat16) for _ in range(2)))
+    plan = decode_plan(b, hkv, t, d, q.dtype, num_sms(q.device), config=WIDE_FP8, kv_dtype=k8.dtype, rows=hq // hkv)
+    plan = plan._replace(split_pages=table_pages(plan, page))
+    assert plan.split_pages * page == plan.tiles_per_split * WIDE_FP8.block_n, plan  # entries fill the table
+    perm = torch.randperm(b * t // page, device="cuda")
+    kp, vp = (torch.empty(b * t // page, page, hkv, d, device="cuda", dtype=k8.dtype) for _ in range(2))
+    kp[perm] = k8.transpose(1, 2).reshape(-1, page, hkv, d)
+    vp[perm] = v8.transpose(1, 2).reshape(-1, page, hkv, d)
+    table = perm.view(b, -1).int()
+    ref = flash_decode(q, k8, v8, k_scale=ks, v_scale=vs, plan=plan._replace(split_pages=0))
+    for _ in range(20):
+        got = flash_decode(q, kp, vp, torch.full((b,), t, device="cuda", dtype=torch.int32), block_table=table,
+                           kv_layout="NHD", k_scale=ks, v_scale=vs, plan=plan)
+    torch.cuda.synchronize()
+    assert torch.equal(got, ref)
 
 
 def test_deterministic_splits_are_batch_invariant_on_gpu():

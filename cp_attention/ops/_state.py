@@ -57,7 +57,12 @@ dense plan (sm_90 compile: 139.5 KB, the dense ``cp.async`` count). The FP8 two-
 (``PAGE_GATHER``) gather a one-page tile's entry too: the where-and-sum crosses both warps through shared
 memory every tile, and the gather's round trip is hidden by the SM's other three programs (e4m3 pages of
 64, 128 entries a split, B=64 T=8k and B=16 T=32k: 338-341 → 311-314 µs), whereas for a bf16 tile of 128
-keys, one program per SM, it was 24% slower (pages of 256, B=1 T=1M: 960-1001 → 1209-1212). Where a split of the dense plan
+keys, one program per SM, it was 24% slower (pages of 256, B=1 T=1M: 960-1001 → 1209-1212). The
+gather's index is clamped to the entries: Triton's pipeliner computes the addresses of the tiles it
+prefetches, the ones past the split's end included (their loads predicated off), so where a split's
+entries fill ``SPLIT_PAGES`` the unclamped index read past the gather's shared memory
+(compute-sanitizer: "Invalid __shared__ read"; an illegal-address fault in 3 of 4 processes on the H200,
+16/8/256 e4m3, pages of 16, B=16 T=32k in 32-key tiles, 512 entries a split). Where a split of the dense plan
 touches more entries than fit, the plan's splits are capped to fit. Measured on the H200, graph µs, same
 process: pages of 16, B=1 T=128k 126.8 against 127.3 dense, B=64 T=8k 479.9 against 478.3, B=16 T=128k
 (capped) 1908 against 1876; pages of 64, B=16 T=128k 1880 (benchmarks/NOTES.md, eighth round).
@@ -350,7 +355,11 @@ def attend_tile(m_i, l_i, r_i, acc, b_q, row_lo, row_hi, p_k, p_v, stride_kt, st
             slot = (t0 % PAGE_SIZE + tl.arange(0, BLOCK_N)).to(tl.int64)
         else:  # each key's page, gathered (one round trip through shared memory)
             o_kk = t0 % PAGE_SIZE + tl.arange(0, BLOCK_N)  # offsets from the first page's start
-            page = tl.gather(pages, i_pg + o_kk // PAGE_SIZE, 0).to(tl.int64)
+            # clamped: the software pipeliner also computes the addresses of the tiles past the split's end
+            # (their loads predicated off), and an index past the entries reads past the gather's shared
+            # memory (Note [Paged tiles from registers])
+            i_kp = tl.minimum(i_pg + o_kk // PAGE_SIZE, SPLIT_PAGES - 1)
+            page = tl.gather(pages, i_kp, 0).to(tl.int64)
             slot = (o_kk % PAGE_SIZE).to(tl.int64)
     elif IS_PAGED:
         page = table_entries(p_bt, stride_btp, o_t // PAGE_SIZE, m_t, num_pages).to(tl.int64)
