@@ -131,7 +131,7 @@ def main():
                   **{n: r.get(f"{n}_graph_us", "") for n in names}} for r in rows], ["section", "B", "T", "Q"] + names))
 
 
-def plot(rows, name):
+def plot(rows, stem):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -149,7 +149,7 @@ def plot(rows, name):
     ax.set_ylabel("TB/s (K+V bytes / graph time)")
     ax.legend(fontsize=6, ncol=3)
     fig.tight_layout()
-    fig.savefig(RESULTS / f"{name}.png", dpi=120)
+    fig.savefig(RESULTS / f"{stem}.png", dpi=120)
 
 
 if __name__ == "__main__":
