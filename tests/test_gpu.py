@@ -449,6 +449,19 @@ def test_multi_row_queries_against_float64(q_rows):
     assert torch.isneginf(got.lse[~finite]).all()
 
 
+def shuffled_nhd_pools(k, v, page):
+    """Dense ``k``, ``v [B, Hkv, T, D]`` (``T`` a multiple of ``page``) as NHD page pools ``[B * T / page,
+    page, Hkv, D]`` in a random page order, and the block table ``[B, T / page]`` int32."""
+    b, hkv, t, d = k.shape
+    perm = torch.randperm(b * t // page, device=k.device)
+    pools = []
+    for x in (k, v):
+        pool = torch.empty(b * t // page, page, hkv, d, device=x.device, dtype=x.dtype)
+        pool[perm] = x.transpose(1, 2).reshape(-1, page, hkv, d)
+        pools.append(pool)
+    return *pools, perm.view(b, -1).int()
+
+
 # FP8 cache forms of the policy's configs: dense (two warps, key streams), head dim 256 (WIDE_FP8), NHD pools
 # of shuffled pages of one position (one table entry per key: FP8_TABLE_LOOP) and of 64 (the table in
 # registers, each tile's page gathered)
@@ -473,11 +486,8 @@ def test_fp8_long_cache_against_the_dequantised_oracle(dtype8, form):
     assert plan.config == config, plan
     kc, vc, kw = k8, v8, {}
     if page:
-        perm = torch.randperm(b * t // page, device="cuda")
-        kc, vc = (torch.empty(b * t // page, page, hkv, d, device="cuda", dtype=dtype8) for _ in range(2))
-        kc[perm] = k8.transpose(1, 2).reshape(-1, page, hkv, d)
-        vc[perm] = v8.transpose(1, 2).reshape(-1, page, hkv, d)
-        kw = dict(block_table=perm.view(b, -1).int(), kv_layout="NHD")
+        kc, vc, table = shuffled_nhd_pools(k8, v8, page)
+        kw = dict(block_table=table, kv_layout="NHD")
     got = flash_decode(q, kc, vc, sl, k_scale=ks, v_scale=vs, return_lse=True, **kw)
     kd = k8.double() * ks.double().view(1, -1, 1, 1)
     vd = v8.double() * vs.double().view(1, -1, 1, 1)
@@ -499,11 +509,7 @@ def test_paged_register_table_splits_full_of_entries():
     plan = decode_plan(b, hkv, t, d, q.dtype, num_sms(q.device), config=WIDE_FP8, kv_dtype=k8.dtype, rows=hq // hkv)
     plan = plan._replace(split_pages=table_pages(plan, page))
     assert plan.split_pages * page == plan.tiles_per_split * WIDE_FP8.block_n, plan  # entries fill the table
-    perm = torch.randperm(b * t // page, device="cuda")
-    kp, vp = (torch.empty(b * t // page, page, hkv, d, device="cuda", dtype=k8.dtype) for _ in range(2))
-    kp[perm] = k8.transpose(1, 2).reshape(-1, page, hkv, d)
-    vp[perm] = v8.transpose(1, 2).reshape(-1, page, hkv, d)
-    table = perm.view(b, -1).int()
+    kp, vp, table = shuffled_nhd_pools(k8, v8, page)
     ref = flash_decode(q, k8, v8, k_scale=ks, v_scale=vs, plan=plan._replace(split_pages=0))
     for _ in range(20):
         got = flash_decode(q, kp, vp, torch.full((b,), t, device="cuda", dtype=torch.int32), block_table=table,

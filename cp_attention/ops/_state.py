@@ -282,6 +282,19 @@ def capped(b_s, cap, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def seen_scores(b_s, o_t, m_t, row_lo, row_hi, HAS_ROW_LO: tl.constexpr, HAS_ROW_HI: tl.constexpr):
+    """The scores ``b_s [..., M, N]`` with ``-inf`` where row ``m`` does not see key ``o_t [..., N]``: keys
+    outside the range (``m_t`` false), and with ``HAS_ROW_HI`` / ``HAS_ROW_LO`` the keys ``>= row_hi[m]`` /
+    ``< row_lo[m]`` (``row_lo``, ``row_hi [M]``)."""
+    m_ts = tl.expand_dims(m_t, -2)
+    if HAS_ROW_HI:
+        m_ts = m_ts & (tl.expand_dims(o_t, -2) < tl.expand_dims(row_hi, -1))
+    if HAS_ROW_LO:
+        m_ts = m_ts & (tl.expand_dims(o_t, -2) >= tl.expand_dims(row_lo, -1))
+    return tl.where(m_ts, b_s, float("-inf"))
+
+
+@triton.jit
 def attend_streams(b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt, t_start, t_end, qk_scale, cap, o_d, m_d,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_ROW_LO: tl.constexpr,
                    HAS_ROW_HI: tl.constexpr, SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr,
@@ -325,12 +338,7 @@ def attend_stream_tile(m_i, l_i, r_i, acc, q3, row_lo, row_hi, p_k, p_v, stride_
     o_t64 = o_t.to(tl.int64)
     b_k = tl.load(p_k + (o_t64 * stride_kt)[:, :, None] + o_d[None, None, :], mask=m_td, other=0.0).to(q3.dtype)
     b_s = capped(dot(q3, tl.trans(b_k, (0, 2, 1)), None, INPUT_PRECISION, UPCAST) * qk_scale, cap, SOFTCAP)
-    m_ts = m_t[:, None, :]
-    if HAS_ROW_HI:
-        m_ts = m_ts & (o_t[:, None, :] < row_hi[None, :, None])
-    if HAS_ROW_LO:
-        m_ts = m_ts & (o_t[:, None, :] >= row_lo[None, :, None])
-    b_s = tl.where(m_ts, b_s, float("-inf"))
+    b_s = seen_scores(b_s, o_t, m_t, row_lo, row_hi, HAS_ROW_LO, HAS_ROW_HI)
     m_i, m_ref, alpha = running_max(m_i, tl.max(b_s, 2), 1.0)
     b_v = tl.load(p_v + (o_t64 * stride_vt)[:, :, None] + o_d[None, None, :], mask=m_td, other=0.0).to(q3.dtype)
     l_i, r_i, acc = fold_weights(l_i, r_i, acc, b_s, m_ref, alpha, b_v, 2, INPUT_PRECISION, UPCAST, False)
@@ -373,12 +381,7 @@ def attend_tile(m_i, l_i, r_i, acc, b_q, row_lo, row_hi, p_k, p_v, stride_kt, st
         o_v = o_t64 * stride_vt
     b_k = tl.load(p_k + o_k[:, None] + o_d[None, :], mask=m_td, other=0.0).to(b_q.dtype)  # FP8: dequantised
     b_s = capped(dot(b_q, tl.trans(b_k), None, INPUT_PRECISION, UPCAST) * qk_scale, cap, SOFTCAP)
-    m_ts = m_t[None, :]
-    if HAS_ROW_HI:
-        m_ts = m_ts & (o_t[None, :] < row_hi[:, None])
-    if HAS_ROW_LO:
-        m_ts = m_ts & (o_t[None, :] >= row_lo[:, None])
-    b_s = tl.where(m_ts, b_s, float("-inf"))
+    b_s = seen_scores(b_s, o_t, m_t, row_lo, row_hi, HAS_ROW_LO, HAS_ROW_HI)
     m_i, m_ref, alpha = running_max(m_i, tl.max(b_s, 1), 1.0)
     b_v = tl.load(p_v + o_v[:, None] + o_d[None, :], mask=m_td, other=0.0).to(b_q.dtype)
     l_i, r_i, acc = fold_weights(l_i, r_i, acc, b_s, m_ref, alpha, b_v, 1, INPUT_PRECISION, UPCAST, RSUM_DOT)

@@ -284,8 +284,15 @@ def split_kv_launch_config(dtype, group: int, q_rows: int, head_dim: int, plan, 
                       HAS_WINDOW=window, SOFTCAP=softcap, HAS_SINKS=sinks and not export, KV_SCALE=kv_scale,
                       EXPORT=export, **dot_flags(dtype),
                       SPLIT_PAGES=0 if window or row_limits or not page_size else plan.split_pages, PDL=pdl,
-                      STREAMS=plan.streams, PAGE_GATHER=plan.config == FP8_TWO_WARPS)
+                      STREAMS=plan.streams, PAGE_GATHER=page_gather(plan.config))
     return constexprs, split_kv_options(plan.config, pdl), tiling
+
+
+def page_gather(config) -> bool:
+    """Whether a split of ``config`` through the register table gathers a one-page tile's entry
+    (``PAGE_GATHER``): the FP8 two-warp tiles, whose other programs on the SM hide the gather's round trip
+    (Note [Paged tiles from registers])."""
+    return config == FP8_TWO_WARPS
 
 
 def split_kv_options(config, pdl: bool) -> dict:
@@ -336,7 +343,7 @@ def _aot_spec(group, q_rows, export, page_size=0, causal=False, row_limits=False
                            IS_PAGED=page_size > 0, IS_CAUSAL=causal, HAS_ROW_LIMITS=row_limits,
                            HAS_WINDOW=window, SOFTCAP=softcap, HAS_SINKS=sinks and not export, KV_SCALE=kv_scale,
                            EXPORT=export, INPUT_PRECISION="tf32", UPCAST=False, SPLIT_PAGES=split_pages, PDL=True,
-                           STREAMS=streams, PAGE_GATHER=config == FP8_TWO_WARPS),
+                           STREAMS=streams, PAGE_GATHER=page_gather(config)),
         "options": split_kv_options(config, pdl=True),
         "programs": config.programs,  # the plan's programs per SM, checked against the compile (tests/test_aot.py)
     }
