@@ -2,7 +2,7 @@
 kernel on the dense cache, against FlashInfer 0.7.2 on the same pages (XQA and the fa2 tensor-core wrapper),
 and Q = 4 draft rows against one row.
 
-bf16, Hq=32, Hkv=8, D=128, every sequence at the full context T. Sections (``--sections``):
+bf16, Hq=32, Hkv=8, D=128 (but ``d256``), every sequence at the full context T. Sections (``--sections``):
 
 * ``page-vs-dense``: B=1 T=128k and B=64 T=8k, dense and pages of 1, 16 and 64 slots (shuffling the page
   order does not change the bytes read; the pools here are in sequence order, as peers.paged builds them);
@@ -12,15 +12,18 @@ bf16, Hq=32, Hkv=8, D=128, every sequence at the full context T. Sections (``--s
   FlashInfer's 4-row paths: XQA and fa2 with ``q_len_per_req=4``;
 * ``fp8``: e4m3 page pools (per-tensor scales) of 1, 16 and 64 slots at the FP8 bar's shapes (B=1 T=128k and
   1M, B=16 T=32k, B=64 T=8k) against the dense e4m3 cache, the dense bf16 cache and FlashInfer's XQA on
-  e4m3 pages of 16 and 64 (run it with ``--name bench_paged_fp8`` to keep the 16-bit results).
+  e4m3 pages of 16 and 64 (run it with ``--name bench_paged_fp8`` to keep the 16-bit results);
+* ``d256``: head dim 256 (Hq=16, Hkv=8), bf16 and e4m3 at B=1 T=128k, B=16 T=32k and B=64 T=8k: the dense
+  cache and pools of 16, 64 and 256 slots against XQA on pages of 16 and 64 (``--name bench_paged_d256``).
 
 µs per call with 20 calls captured in one CUDA graph and per eager call (benchmarks/_harness.py), TB/s of
-the K+V bytes. Needs FlashInfer for the peer lines (installed as bench_decode.py's docstring says; without it
+the K+V bytes read (one byte an element for e4m3). Needs FlashInfer for the peer lines (installed as bench_decode.py's docstring says; without it
 those rows record the import error):
 
     PYTHONPATH=/tmp/site:. python3 benchmarks/bench_paged.py
     PYTHONPATH=. python3 benchmarks/bench_paged.py --sections page-vs-dense drafts
     PYTHONPATH=/tmp/site:. python3 benchmarks/bench_paged.py --sections fp8 --name bench_paged_fp8
+    PYTHONPATH=/tmp/site:. python3 benchmarks/bench_paged.py --sections d256 --name bench_paged_d256
 
 Writes benchmarks/results/bench_paged.json and bench_paged.png (``--name`` to change the file names).
 """
@@ -42,7 +45,7 @@ from benchmarks._harness import RESULTS, TOLERANCES, measure, table, tbs, tqdm, 
 from cp_attention import flash_decode  # noqa: E402
 
 HQ, HKV, D, DT = 32, 8, 128, torch.bfloat16
-SECTIONS = ("page-vs-dense", "peers", "drafts", "fp8")
+SECTIONS = ("page-vs-dense", "peers", "drafts", "fp8", "d256")
 FP8_SHAPES = ((1, 131072), (16, 32768), (64, 8192), (1, 1 << 20))
 
 
@@ -80,7 +83,17 @@ def cases(sections):
             for p in (16, 64):
                 impls[f"xqa page {p} e4m3"] = functools.partial(peers.flashinfer_xqa, page_size=p, fp8=True)
             out.append(("fp8", b, t, 1, impls))
-    return out
+    if "d256" in sections:
+        for b, t in ((1, 131072), (16, 32768), (64, 8192)):
+            impls = {}
+            for fp8, tag in ((False, ""), (True, " e4m3")):
+                impls[f"cp dense{tag}"] = peers.cp_attention_fp8 if fp8 else peers.cp_attention
+                for p in (16, 64, 256):
+                    impls[f"cp page {p}{tag}"] = functools.partial(peers.cp_attention_paged, page_size=p, fp8=fp8)
+                for p in (16, 64):
+                    impls[f"xqa page {p}{tag}"] = functools.partial(peers.flashinfer_xqa, page_size=p, fp8=fp8)
+            out.append(("d256", b, t, 1, impls, 16, 256))
+    return [c if len(c) == 7 else (*c, HQ, D) for c in out]
 
 
 def main():
@@ -93,24 +106,24 @@ def main():
     args = ap.parse_args()
     start = time.monotonic()
     rows, not_run = [], []
-    for section, b, t, q_rows, impls in tqdm(cases(args.sections), desc="paged shapes"):
+    for section, b, t, q_rows, impls, hq, d in tqdm(cases(args.sections), desc="paged shapes"):
         if time.monotonic() - start > args.time_budget_s:
             not_run.append(f"{section} B={b} T={t} Q={q_rows}")
             continue
         gen = torch.Generator("cuda").manual_seed(0)
-        shape = (b, HQ, D) if q_rows == 1 else (b, q_rows, HQ, D)
+        shape = (b, hq, d) if q_rows == 1 else (b, q_rows, hq, d)
         q = torch.randn(shape, generator=gen, device="cuda", dtype=DT)
-        k = torch.randn(b, HKV, t, D, generator=gen, device="cuda", dtype=DT)
-        v = torch.randn(b, HKV, t, D, generator=gen, device="cuda", dtype=DT)
+        k = torch.randn(b, HKV, t, d, generator=gen, device="cuda", dtype=DT)
+        v = torch.randn(b, HKV, t, d, generator=gen, device="cuda", dtype=DT)
         kv_bytes = 2 * k.numel() * k.element_size()
         ref = flash_decode(q, k, v)
-        row = {"section": section, "B": b, "T": t, "Q": q_rows, "KV_MB": kv_bytes / 1e6}
+        row = {"section": section, "B": b, "T": t, "Q": q_rows, "Hq": hq, "D": d, "KV_MB": kv_bytes / 1e6}
         for name, build in impls.items():
             measure(row, name, functools.partial(build, q, k, v), ref, f"{section} B={b} T={t} Q={q_rows}")
             if f"{name}_graph_us" in row:
                 tol = TOLERANCES[torch.float8_e4m3fn if "e4m3" in name else DT]  # FP8: with the quantisation
                 row[f"{name}_ok"] = row[f"{name}_maxdiff"] != "non-finite" and row[f"{name}_maxdiff"] <= tol
-                row[f"{name}_TBs"] = tbs(kv_bytes, row[f"{name}_graph_us"])
+                row[f"{name}_TBs"] = tbs(kv_bytes // (2 if "e4m3" in name else 1), row[f"{name}_graph_us"])
         rows.append(row)
         write_json(args.name, {"rows": rows, "not_run": not_run})
         del q, k, v, ref

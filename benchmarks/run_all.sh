@@ -32,6 +32,7 @@ if [ "$part" = one ] || [ "$part" = all ]; then
     --shapes 1x128k 1x1M 16x32k 64x8k --heads --name bench_fp8
   step bench_paged 150 python3 benchmarks/bench_paged.py --time-budget-s 120
   step bench_paged_fp8 150 python3 benchmarks/bench_paged.py --sections fp8 --name bench_paged_fp8
+  step bench_paged_d256 240 python3 benchmarks/bench_paged.py --sections d256 --name bench_paged_d256
   step bench_variants 60 python3 benchmarks/bench_variants.py
   step bench_merge 40 python3 benchmarks/bench_merge.py ) &
 wait

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 
 __all__ = ["num_splits", "num_sms", "use_pdl", "DecodeConfig", "DecodePlan", "FOUR_PER_SM", "FP8_TWO_WARPS",
-           "FP8_TABLE_LOOP", "WIDE_HEADS", "WIDE_FP8", "decode_config", "decode_plan", "deterministic_plan",
+           "FP8_TABLE_LOOP", "WIDE_HEADS", "WIDE_PAGES", "WIDE_FP8", "decode_config", "decode_plan", "deterministic_plan",
            "PrefixConfig", "PrefixPlan", "prefix_config", "prefix_plan", "REFERENCE_SMS"]
 
 # CPU tensors (the Triton interpreter) are planned as for the H200 the defaults were tuned on, so the
@@ -169,6 +169,10 @@ FP8_TABLE_LOOP = DecodeConfig(64, 2, 5, programs=4)
 # four per SM (251-255 registers x 64 threads, 42-52 KB).
 WIDE_HEADS = DecodeConfig(64, 8, 2, programs=2)
 WIDE_FP8 = DecodeConfig(32, 2, 3, programs=4)
+# 16-bit page pools of head dims over 128 through the register table: WIDE_HEADS with its registers capped at
+# 128 (uncapped, pages of 128 and 256 take 159-172 registers on sm_90: one program per SM, not two; capped, no
+# spills for pages of 16-256 and query tiles of up to 32 rows). The dense specs keep their 105-128 uncapped.
+WIDE_PAGES = DecodeConfig(64, 8, 2, programs=2, maxnreg=128)
 
 
 def decode_config(head_dim: int, dtype: torch.dtype, t_max: int | None = None, page_size: int = 0,
@@ -206,8 +210,13 @@ def decode_config(head_dim: int, dtype: torch.dtype, t_max: int | None = None, p
     µs at the split count of one wave: bf16 B=1 T=128k 244.2 against 312.2, B=16 T=32k 938.2 against
     1172.9 (`tune_decode`, fourteenth round); e4m3 B=1 T=128k 148.2-148.9 against 165.3-166.4 with 64 x 4
     x 3 (two per SM) and 215.4 with 64 x 4 x 2, B=16 T=32k 579-585 against 633-640 and 836, B=4 T=32k
-    147.3-147.7 against 165.3-166.5 (fifteenth round). Paged caches and 64-row tiles keep 64 x 4 x 2 (not
-    measured).
+    147.3-147.7 against 165.3-166.5 (fifteenth round). Page pools through the register table (``table``)
+    take :data:`WIDE_FP8` (FP8) and, below 3 waves, :data:`WIDE_PAGES` (16-bit; 64 x 4 x 2 from 3 waves
+    on): H200, 16/8/256, NHD pools, graph µs against the 64 x 4 x 2 they replaced (sixteenth round): e4m3
+    pages of 16 B=1 T=128k 156.1 against 248.1, B=16 T=32k 609.5 against 980.6, B=64 T=8k 608.9 against
+    700.6; pages of 64 185.3 / 708.8 / 707.3 against 345.0 / 1012.3 / 812.4; bf16 pages of 16-256 B=1
+    T=128k 252-255 against 352-397, B=16 T=32k 985-994 against 1342-1534, but B=64 T=8k 984-1017 against
+    950-990 with 64 x 4 x 2. One table entry per key and 64-row tiles keep 64 x 4 x 2 (not measured).
 
     ``page_size`` > 0 (a paged cache): 64-key tiles, of which four programs share an SM (126 registers
     per thread, 39 KB of shared memory: Triton's pipeliner gives the block-table load of a tile a stage of
@@ -224,9 +233,13 @@ def decode_config(head_dim: int, dtype: torch.dtype, t_max: int | None = None, p
     if dtype == torch.float32:
         return DecodeConfig(64, 4, 2) if head_dim <= 128 else DecodeConfig(32, 4, 2)
     if head_dim > 128:
-        if page_size or table or rows > 32:
+        if page_size or rows > 32:  # one table entry per key, or query tiles of 64 rows
             return DecodeConfig(64, 4, 2)
-        return WIDE_FP8 if (kv_dtype or dtype).itemsize == 1 else WIDE_HEADS
+        if (kv_dtype or dtype).itemsize == 1:
+            return WIDE_FP8
+        if table:
+            return WIDE_PAGES if waves < 3 else DecodeConfig(64, 4, 2)
+        return WIDE_HEADS
     many_short = t_max is not None and 512 < t_max <= 2048 and waves >= 3 and not page_size
     if many_short and (kv_dtype or dtype).itemsize == 2:
         return FOUR_PER_SM
@@ -275,10 +288,11 @@ def decode_plan(batch: int, num_kv_heads: int, t_max: int, head_dim: int, dtype:
     of the query's ``dtype``; the shared memory of its K/V stages (programs per SM) counts in
     ``kv_dtype`` (default ``dtype``; an FP8 cache takes half). ``page_size`` > 0: the cache is read
     through a block table of pages of that size: the dense cache's plan with the table in registers where a
-    split's entries fit (pages of less than 64 positions at 3 waves or more of sequences × KV heads: with
-    :data:`FOUR_PER_SM`, whose other programs hide the barrier of a tile's gather; B=64 pages of 16, graph µs
-    on the H200 in three interleaved rounds: 482.5-483.5 against 501.5-515.0 at T=8k, 7660.5-7662.6 against
-    7756.8-7763.1 at 128k) (:func:`table_pages`; ``aligned``: the splits start on a tile, i.e. no window and no
+    split's entries fit (16-bit pages of less than 64 positions at 3 waves or more of sequences × KV heads,
+    head dims of at most 128: with :data:`FOUR_PER_SM`, whose other programs hide the barrier of a tile's
+    gather; B=64 pages of 16, graph µs on the H200 in three interleaved rounds: 482.5-483.5 against
+    501.5-515.0 at T=8k, 7660.5-7662.6 against 7756.8-7763.1 at 128k; at head dim 256, 1322 against 954
+    with 64 x 4 x 2) (:func:`table_pages`; ``aligned``: the splits start on a tile, i.e. no window and no
     row limits), with its splits capped to fit where they do not (:data:`MIN_CAPPED_TILES`), else :func:`decode_config`'s paged config, one table entry per key.
     ``rows``: query rows per KV head in a program's tile (query rows x GQA group), for
     :func:`decode_config`.
@@ -293,7 +307,7 @@ def decode_plan(batch: int, num_kv_heads: int, t_max: int, head_dim: int, dtype:
     waves = batch * num_kv_heads / num_sms
     if page_size and aligned and config is None:
         # pages of less than 64: a tile's pages gathered, its barrier hidden by the other programs
-        gathered = page_size < 64 and waves >= 3 and (kv_dtype or dtype).itemsize == 2
+        gathered = page_size < 64 and waves >= 3 and (kv_dtype or dtype).itemsize == 2 and head_dim <= 128
         dense = decode_plan(batch, num_kv_heads, t_max, head_dim, dtype, num_sms, splits,
                             FOUR_PER_SM if gathered else decode_config(head_dim, dtype, t_max, 0, kv_dtype, waves,
                                                                        rows, table=True), kv_dtype)

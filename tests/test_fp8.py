@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from cp_attention import AttentionState, CascadeLevel, cascade_decode, flash_decode, quantize_kv
-from cp_attention.heuristics import FP8_TABLE_LOOP, FP8_TWO_WARPS, REFERENCE_SMS, WIDE_FP8, DecodePlan, decode_plan
+from cp_attention.heuristics import (FP8_TABLE_LOOP, FP8_TWO_WARPS, REFERENCE_SMS, WIDE_FP8, WIDE_PAGES, DecodePlan,
+                                      decode_plan)
 from cp_attention.reference import attention
 
 from .conftest import DEVICE, assert_state_matches
@@ -198,6 +199,31 @@ def test_fp8_head_dim_256_tiles_against_the_dequantised_oracle(q_rows, kw):
     for splits, tiles in ((1, 5), (3, 2)):
         got = flash_decode(q, k8, v8, sl, k_scale=ks, v_scale=vs, plan=DecodePlan(WIDE_FP8, splits, tiles),
                            return_lse=True, **kw)
+        assert_state_matches(got, ref, q.dtype)
+
+
+@pytest.mark.parametrize("kv_dtype,page_size,layout,q_rows",
+                         [(torch.float8_e4m3fn, 16, "NHD", None), (torch.float8_e5m2, 64, "HND", 4),
+                          (torch.bfloat16, 16, "HND", 4), (torch.bfloat16, 256, "NHD", None)],
+                         ids=["e4m3-page16-NHD", "e5m2-page64-HND-Q4", "bf16-page16-HND-Q4", "bf16-page256-NHD"])
+def test_head_dim_256_page_pools_in_the_dense_configs(kv_dtype, page_size, layout, q_rows):
+    """Head dim 256 pools through the register table in the policy's configs: FP8 in WIDE_FP8's 32-key tiles
+    (two pages a tile, half a page), 16-bit in WIDE_PAGES's 64-key tiles (four pages, a quarter page); GQA 2,
+    ragged and empty sequences, shuffled pages; the policy's splits and two."""
+    q, k, v, sl = dense_cache(3, 4, 2, 150, 256, [150, 41, 0], q_rows=q_rows, dtype=torch.bfloat16, seed=27)
+    if kv_dtype.itemsize == 1:
+        k, v, ks, vs = quantize_kv(k, v, kv_dtype, per_head=True)
+        ref = attention(q.double(), dequantized(k, ks, 1), dequantized(v, vs, 1), sl)
+        scales = dict(k_scale=ks, v_scale=vs)
+    else:
+        ref, scales = attention(q.double(), k.double(), v.double(), sl), {}
+    plan = decode_plan(3, 2, 150, 256, torch.bfloat16, REFERENCE_SMS, kv_dtype=kv_dtype, page_size=page_size,
+                       rows=(q_rows or 1) * 2)
+    assert plan.config == (WIDE_FP8 if kv_dtype.itemsize == 1 else WIDE_PAGES) and plan.split_pages > 0, plan
+    kp, vp, table = page_pool(k, v, sl, page_size, layout, seed=7)
+    for splits in (None, 2):
+        got = flash_decode(q, kp, vp, sl, block_table=table, kv_layout=layout, num_splits=splits, return_lse=True,
+                           **scales)
         assert_state_matches(got, ref, q.dtype)
 
 

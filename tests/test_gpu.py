@@ -14,7 +14,8 @@ import torch.multiprocessing as mp
 from cp_attention import AttentionState, CascadeLevel, cascade_decode, flash_decode, merge_states
 from cp_attention.distributed import CPKVCache, cp_flash_decode, merge_across_ranks, set_exchange, shard_kv
 from cp_attention.exchange import exchange_for
-from cp_attention.heuristics import FP8_TABLE_LOOP, FP8_TWO_WARPS, WIDE_FP8, decode_plan, num_sms, table_pages
+from cp_attention.heuristics import (FP8_TABLE_LOOP, FP8_TWO_WARPS, WIDE_FP8, WIDE_HEADS, WIDE_PAGES, decode_plan,
+                                      num_sms, table_pages)
 from cp_attention.ops import symm_merge
 from cp_attention.reference import attention
 
@@ -462,11 +463,11 @@ def shuffled_nhd_pools(k, v, page):
     return *pools, perm.view(b, -1).int()
 
 
-# FP8 cache forms of the policy's configs: dense (two warps, key streams), head dim 256 (WIDE_FP8), NHD pools
-# of shuffled pages of one position (one table entry per key: FP8_TABLE_LOOP) and of 64 (the table in
-# registers, each tile's page gathered)
-FP8_FORMS = {"dense": (32, 128, 0, FP8_TWO_WARPS), "d256": (16, 256, 0, WIDE_FP8), "page1": (32, 128, 1, FP8_TABLE_LOOP),
-             "page64": (32, 128, 64, FP8_TWO_WARPS)}
+# FP8 cache forms of the policy's configs: dense (two warps, key streams), head dim 256 (WIDE_FP8, dense and in
+# pages of 16 through the register table), NHD pools of shuffled pages of one position (one table entry per
+# key: FP8_TABLE_LOOP) and of 64 (the table in registers, each tile's page gathered)
+FP8_FORMS = {"dense": (32, 128, 0, FP8_TWO_WARPS), "d256": (16, 256, 0, WIDE_FP8), "d256page16": (16, 256, 16, WIDE_FP8),
+             "page1": (32, 128, 1, FP8_TABLE_LOOP), "page64": (32, 128, 64, FP8_TWO_WARPS)}
 
 
 @pytest.mark.parametrize("form", list(FP8_FORMS))
@@ -494,6 +495,27 @@ def test_fp8_long_cache_against_the_dequantised_oracle(dtype8, form):
     ref = attention(q.double(), kd, vd, sl)
     torch.testing.assert_close(got.o.double(), ref.o, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(got.lse.double(), ref.lse, atol=1e-3, rtol=1e-5)
+
+
+@pytest.mark.parametrize("page", [16, 256])
+def test_head_dim_256_pages_equal_the_dense_cache(page):
+    """16-bit head dim 256 pools through the register table (WIDE_PAGES: WIDE_HEADS with registers capped)
+    run the dense cache's splits and tiles: the same bits as the dense cache (WIDE_HEADS), a ragged batch."""
+    torch.manual_seed(5)
+    b, hq, hkv, d, t = 2, 16, 8, 256, 40_960
+    q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, hkv, t, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    sl = torch.tensor([t, 9_999], device="cuda", dtype=torch.int32)
+    dense = decode_plan(b, hkv, t, d, q.dtype, num_sms(q.device), rows=hq // hkv)
+    paged = decode_plan(b, hkv, t, d, q.dtype, num_sms(q.device), page_size=page, rows=hq // hkv)
+    assert (dense.config, paged.config) == (WIDE_HEADS, WIDE_PAGES) and paged.split_pages > 0, (dense, paged)
+    assert paged[1:3] == dense[1:3], (dense, paged)
+    kp, vp, table = shuffled_nhd_pools(k, v, page)
+    want = flash_decode(q, k, v, sl, return_lse=True)
+    got = flash_decode(q, kp, vp, sl, block_table=table, kv_layout="NHD", return_lse=True)
+    assert torch.equal(got.o, want.o) and torch.equal(got.lse, want.lse)
+    ref = attention(q.double(), k.double(), v.double(), sl)
+    torch.testing.assert_close(got.o.double(), ref.o, atol=2e-2, rtol=2e-2)
 
 
 def test_paged_register_table_splits_full_of_entries():

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from cp_attention.heuristics import (FOUR_PER_SM, FP8_TABLE_LOOP, FP8_TWO_WARPS, REFERENCE_SMS, WIDE_FP8, WIDE_HEADS, DecodeConfig,
-                                      PrefixConfig, decode_config, decode_plan, num_sms, num_splits, prefix_config,
+from cp_attention.heuristics import (FOUR_PER_SM, FP8_TABLE_LOOP, FP8_TWO_WARPS, REFERENCE_SMS, WIDE_FP8, WIDE_HEADS,
+                                      WIDE_PAGES, DecodeConfig, DecodePlan, PrefixConfig, decode_config, decode_plan, num_sms, num_splits, prefix_config,
                                       prefix_num_splits, prefix_plan)
 
 
@@ -69,6 +69,20 @@ def test_decode_configs():
     assert decode_config(256, torch.bfloat16, 131072, page_size=16) == DecodeConfig(64, 4, 2)
     assert decode_config(256, torch.bfloat16, 131072, rows=64) == DecodeConfig(64, 4, 2)
     assert decode_plan(1, 8, 131072, 256, torch.bfloat16, 132, rows=2)[:3] == (WIDE_HEADS, 33, 63)
+    # head dim 256 pools through the register table: the dense FP8 config; 16-bit, WIDE_HEADS capped at 128
+    # registers below 3 waves (never the gathered FOUR_PER_SM), 64 x 4 x 2 from 3 waves on
+    assert WIDE_PAGES == WIDE_HEADS._replace(maxnreg=128)
+    assert decode_plan(1, 8, 131072, 256, torch.bfloat16, 132, kv_dtype=fp8, page_size=64, rows=2) == \
+        DecodePlan(WIDE_FP8, 66, 63, split_pages=64)
+    assert decode_plan(16, 8, 32768, 256, torch.bfloat16, 132, kv_dtype=fp8, page_size=16, rows=2) == \
+        DecodePlan(WIDE_FP8, 4, 256, split_pages=512)
+    assert decode_plan(1, 8, 131072, 256, torch.bfloat16, 132, page_size=256, rows=2) == \
+        DecodePlan(WIDE_PAGES, 33, 63, split_pages=32)
+    for page in (16, 64):
+        assert decode_plan(64, 8, 8192, 256, torch.bfloat16, 132, page_size=page, rows=2)[:3] == \
+            (DecodeConfig(64, 4, 2), 1, 128)
+    assert decode_plan(1, 8, 131072, 256, torch.bfloat16, 132, kv_dtype=fp8, page_size=1).config == \
+        DecodeConfig(64, 4, 2)  # one table entry per key
     assert decode_config(64, torch.float32) == DecodeConfig(64, 4, 2)
     assert decode_config(128, torch.bfloat16, 131072, page_size=16) == DecodeConfig(64, 4, 3, programs=4)
     assert decode_config(128, torch.bfloat16, 131072, page_size=1) == DecodeConfig(64, 4, 3, programs=3)

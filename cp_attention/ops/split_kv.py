@@ -80,7 +80,7 @@ from ._launch import pdl_options
 from ._state import (add_sink, attend_tiles, fp16_query, kv_bases, merge_tile, score_scales, seq_length,
                      split_range)
 from .._dispatch import next_pow2
-from ..heuristics import FOUR_PER_SM, FP8_TWO_WARPS, WIDE_FP8, WIDE_HEADS, DecodeConfig, decode_config
+from ..heuristics import FOUR_PER_SM, FP8_TWO_WARPS, WIDE_FP8, WIDE_HEADS, WIDE_PAGES, DecodeConfig, decode_config
 
 
 @triton.jit
@@ -358,7 +358,8 @@ def _aot_spec(group, q_rows, export, page_size=0, causal=False, row_limits=False
 # programs per SM, registers capped at 128: 32 pages of 64, 2048 of 16 split; FP8 in two
 # warps: e4m3 split, e5m2 with per-head scales on 8 causal rows; and in four key streams: e4m3 split, e5m2
 # with per-head scales on 4 causal rows in a window with a softcap); head dim 256 (GQA 2: 16-bit split,
-# e4m3 with per-head scales on 4 causal rows);
+# e4m3 with per-head scales on 4 causal rows; page pools in registers: 512 e4m3 pages of 16 split, 128
+# 16-bit pages of 256 on 4 causal rows with registers capped at 128);
 # and the combine, with the policy's split count and with the deterministic splits.
 AOT_SPECS = [_aot_spec(4, 1, True), _aot_spec(5, 1, False), _aot_spec(8, 1, True),
              _aot_spec(4, 1, True, page_size=16, block_n=64), _aot_spec(4, 1, False, page_size=64, block_n=64),
@@ -382,7 +383,10 @@ AOT_SPECS = [_aot_spec(4, 1, True), _aot_spec(5, 1, False), _aot_spec(8, 1, True
              _aot_spec(4, 4, False, causal=True, kv="fp8e5", kv_scale=2, window=True, softcap=True,
                        config=FP8_TWO_WARPS, streams=4),
              _aot_spec(2, 1, True, head_dim=256, config=WIDE_HEADS),
-             _aot_spec(2, 4, True, causal=True, kv="fp8e4nv", kv_scale=2, head_dim=256, config=WIDE_FP8)] + [
+             _aot_spec(2, 4, True, causal=True, kv="fp8e4nv", kv_scale=2, head_dim=256, config=WIDE_FP8),
+             _aot_spec(2, 1, True, page_size=16, kv="fp8e4nv", kv_scale=1, head_dim=256, split_pages=512,
+                       config=WIDE_FP8),
+             _aot_spec(2, 4, False, page_size=256, causal=True, head_dim=256, split_pages=128, config=WIDE_PAGES)] + [
     {"kernel": _combine_kernel, "signature": {"WORK": "*fp32", "SINKS": "*fp32", "O": "*bf16", "LSE": "*fp32"},
      "constexprs": cfg[0], "options": cfg[1]}
     for cfg in (combine_launch_config(4, 1, 128, True, 16, pdl=True),
