@@ -204,11 +204,14 @@ def test_fp8_head_dim_256_tiles_against_the_dequantised_oracle(q_rows, kw):
 
 @pytest.mark.parametrize("kv_dtype,page_size,layout,q_rows",
                          [(torch.float8_e4m3fn, 16, "NHD", None), (torch.float8_e5m2, 64, "HND", 4),
-                          (torch.bfloat16, 16, "HND", 4), (torch.bfloat16, 256, "NHD", None)],
-                         ids=["e4m3-page16-NHD", "e5m2-page64-HND-Q4", "bf16-page16-HND-Q4", "bf16-page256-NHD"])
+                          (torch.float8_e4m3fn, 32, "NHD", 2), (torch.bfloat16, 16, "HND", 4),
+                          (torch.bfloat16, 256, "NHD", None)],
+                         ids=["e4m3-page16-NHD", "e5m2-page64-HND-Q4", "e4m3-page32-NHD-Q2", "bf16-page16-HND-Q4",
+                              "bf16-page256-NHD"])
 def test_head_dim_256_page_pools_in_the_dense_configs(kv_dtype, page_size, layout, q_rows):
     """Head dim 256 pools through the register table in the policy's configs: FP8 in WIDE_FP8's 32-key tiles
-    (two pages a tile, half a page), 16-bit in WIDE_PAGES's 64-key tiles (four pages, a quarter page); GQA 2,
+    (two pages a tile, half a page, a page whose entry is gathered), 16-bit in WIDE_PAGES's 64-key tiles (four
+    pages, a quarter page); GQA 2,
     ragged and empty sequences, shuffled pages; the policy's splits and two."""
     q, k, v, sl = dense_cache(3, 4, 2, 150, 256, [150, 41, 0], q_rows=q_rows, dtype=torch.bfloat16, seed=27)
     if kv_dtype.itemsize == 1:

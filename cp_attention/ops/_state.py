@@ -57,7 +57,9 @@ dense plan (sm_90 compile: 139.5 KB, the dense ``cp.async`` count). The FP8 two-
 (``PAGE_GATHER``) gather a one-page tile's entry too: the where-and-sum crosses both warps through shared
 memory every tile, and the gather's round trip is hidden by the SM's other three programs (e4m3 pages of
 64, 128 entries a split, B=64 T=8k and B=16 T=32k: 338-341 → 311-314 µs), whereas for a bf16 tile of 128
-keys, one program per SM, it was 24% slower (pages of 256, B=1 T=1M: 960-1001 → 1209-1212). The
+keys, one program per SM, it was 24% slower (pages of 256, B=1 T=1M: 960-1001 → 1209-1212). Head dim 256
+FP8 tiles gather only on pages of one tile (32), where the where-and-sum spills (B=1 T=128k 192 → 160 µs;
+on pages of 64 and 256 the gather was 3-15% slower; ``split_kv.page_gather``). The
 gather's index is clamped to the entries: Triton's pipeliner computes the addresses of the tiles it
 prefetches, the ones past the split's end included (their loads predicated off), so where a split's
 entries fill ``SPLIT_PAGES`` the unclamped index read past the gather's shared memory

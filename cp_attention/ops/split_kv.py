@@ -284,15 +284,18 @@ def split_kv_launch_config(dtype, group: int, q_rows: int, head_dim: int, plan, 
                       HAS_WINDOW=window, SOFTCAP=softcap, HAS_SINKS=sinks and not export, KV_SCALE=kv_scale,
                       EXPORT=export, **dot_flags(dtype),
                       SPLIT_PAGES=0 if window or row_limits or not page_size else plan.split_pages, PDL=pdl,
-                      STREAMS=plan.streams, PAGE_GATHER=page_gather(plan.config))
+                      STREAMS=plan.streams, PAGE_GATHER=page_gather(plan.config, page_size))
     return constexprs, split_kv_options(plan.config, pdl), tiling
 
 
-def page_gather(config) -> bool:
+def page_gather(config, page_size: int) -> bool:
     """Whether a split of ``config`` through the register table gathers a one-page tile's entry
     (``PAGE_GATHER``): the FP8 two-warp tiles, whose other programs on the SM hide the gather's round trip
-    (Note [Paged tiles from registers])."""
-    return config == FP8_TWO_WARPS
+    (Note [Paged tiles from registers]), and the head-dim-256 FP8 tiles on pages of one tile, where the
+    where-and-sum spills (Triton 3.6, sm_90; H200, 16/8/256, e4m3 pages of 32, graph µs: B=1 T=128k 160
+    against 192, B=64 T=8k 659-672 against 750-760). On larger pages the gather was slower there (pages of
+    64: 193 against 187; benchmarks/NOTES.md, sixteenth round)."""
+    return config == FP8_TWO_WARPS or (config == WIDE_FP8 and page_size == config.block_n)
 
 
 def split_kv_options(config, pdl: bool) -> dict:
@@ -343,7 +346,7 @@ def _aot_spec(group, q_rows, export, page_size=0, causal=False, row_limits=False
                            IS_PAGED=page_size > 0, IS_CAUSAL=causal, HAS_ROW_LIMITS=row_limits,
                            HAS_WINDOW=window, SOFTCAP=softcap, HAS_SINKS=sinks and not export, KV_SCALE=kv_scale,
                            EXPORT=export, INPUT_PRECISION="tf32", UPCAST=False, SPLIT_PAGES=split_pages, PDL=True,
-                           STREAMS=streams, PAGE_GATHER=page_gather(config)),
+                           STREAMS=streams, PAGE_GATHER=page_gather(config, page_size)),
         "options": split_kv_options(config, pdl=True),
         "programs": config.programs,  # the plan's programs per SM, checked against the compile (tests/test_aot.py)
     }
@@ -358,8 +361,8 @@ def _aot_spec(group, q_rows, export, page_size=0, causal=False, row_limits=False
 # programs per SM, registers capped at 128: 32 pages of 64, 2048 of 16 split; FP8 in two
 # warps: e4m3 split, e5m2 with per-head scales on 8 causal rows; and in four key streams: e4m3 split, e5m2
 # with per-head scales on 4 causal rows in a window with a softcap); head dim 256 (GQA 2: 16-bit split,
-# e4m3 with per-head scales on 4 causal rows; page pools in registers: 512 e4m3 pages of 16 split, 128
-# 16-bit pages of 256 on 4 causal rows with registers capped at 128);
+# e4m3 with per-head scales on 4 causal rows; page pools in registers: 512 e4m3 pages of 16 split, 64 of
+# 32 gathered on 2 causal rows, 128 16-bit pages of 256 on 4 causal rows with registers capped at 128);
 # and the combine, with the policy's split count and with the deterministic splits.
 AOT_SPECS = [_aot_spec(4, 1, True), _aot_spec(5, 1, False), _aot_spec(8, 1, True),
              _aot_spec(4, 1, True, page_size=16, block_n=64), _aot_spec(4, 1, False, page_size=64, block_n=64),
@@ -385,6 +388,8 @@ AOT_SPECS = [_aot_spec(4, 1, True), _aot_spec(5, 1, False), _aot_spec(8, 1, True
              _aot_spec(2, 1, True, head_dim=256, config=WIDE_HEADS),
              _aot_spec(2, 4, True, causal=True, kv="fp8e4nv", kv_scale=2, head_dim=256, config=WIDE_FP8),
              _aot_spec(2, 1, True, page_size=16, kv="fp8e4nv", kv_scale=1, head_dim=256, split_pages=512,
+                       config=WIDE_FP8),
+             _aot_spec(2, 2, True, page_size=32, causal=True, kv="fp8e4nv", kv_scale=1, head_dim=256, split_pages=64,
                        config=WIDE_FP8),
              _aot_spec(2, 4, False, page_size=256, causal=True, head_dim=256, split_pages=128, config=WIDE_PAGES)] + [
     {"kernel": _combine_kernel, "signature": {"WORK": "*fp32", "SINKS": "*fp32", "O": "*bf16", "LSE": "*fp32"},
