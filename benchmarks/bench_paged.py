@@ -17,8 +17,8 @@ bf16, Hq=32, Hkv=8, D=128 (but ``d256``), every sequence at the full context T. 
   cache and pools of 16, 64 and 256 slots against XQA on pages of 16 and 64 (``--name bench_paged_d256``).
 
 µs per call with 20 calls captured in one CUDA graph and per eager call (benchmarks/_harness.py), TB/s of
-the K+V bytes read (one byte an element for e4m3). Needs FlashInfer for the peer lines (installed as bench_decode.py's docstring says; without it
-those rows record the import error):
+the K+V bytes read (one byte an element for e4m3). Needs FlashInfer for the peer lines (installed as
+bench_decode.py's docstring says; without it those rows record the import error):
 
     PYTHONPATH=/tmp/site:. python3 benchmarks/bench_paged.py
     PYTHONPATH=. python3 benchmarks/bench_paged.py --sections page-vs-dense drafts
@@ -50,13 +50,14 @@ FP8_SHAPES = ((1, 131072), (16, 32768), (64, 8192), (1, 1 << 20))
 
 
 def cases(sections):
+    """``(section, B, T, Q, Hq, D, {name: build})`` of each shape in ``sections``."""
     out = []
     if "page-vs-dense" in sections:
         for b, t in ((1, 131072), (64, 8192)):
-            out.append(("page-vs-dense", b, t, 1, {"cp dense": peers.cp_attention,
-                                                   **{f"cp page {p}": functools.partial(peers.cp_attention_paged,
-                                                                                        page_size=p)
-                                                      for p in (1, 16, 64)}}))
+            impls = {"cp dense": peers.cp_attention}
+            for p in (1, 16, 64):
+                impls[f"cp page {p}"] = functools.partial(peers.cp_attention_paged, page_size=p)
+            out.append(("page-vs-dense", b, t, 1, HQ, D, impls))
     if "peers" in sections:
         for b in (1, 4, 16, 64):
             for t in (2048, 8192, 32768, 131072):
@@ -65,16 +66,14 @@ def cases(sections):
                     impls[f"cp page {p}"] = functools.partial(peers.cp_attention_paged, page_size=p)
                     impls[f"xqa page {p}"] = functools.partial(peers.flashinfer_xqa, page_size=p)
                     impls[f"fa2 page {p}"] = functools.partial(peers.flashinfer_fa2, page_size=p)
-                out.append(("peers", b, t, 1, impls))
+                out.append(("peers", b, t, 1, HQ, D, impls))
     if "drafts" in sections:
         for q_rows in (1, 4):
-            out.append(("drafts", 32, 8192, q_rows, {"cp dense": peers.cp_attention,
-                                                     "cp page 16": functools.partial(peers.cp_attention_paged,
-                                                                                     page_size=16),
-                                                     "xqa page 16": functools.partial(peers.flashinfer_xqa,
-                                                                                      page_size=16),
-                                                     "fa2 page 16": functools.partial(peers.flashinfer_fa2,
-                                                                                      page_size=16)}))
+            out.append(("drafts", 32, 8192, q_rows, HQ, D, {
+                "cp dense": peers.cp_attention,
+                "cp page 16": functools.partial(peers.cp_attention_paged, page_size=16),
+                "xqa page 16": functools.partial(peers.flashinfer_xqa, page_size=16),
+                "fa2 page 16": functools.partial(peers.flashinfer_fa2, page_size=16)}))
     if "fp8" in sections:
         for b, t in FP8_SHAPES:
             impls = {"cp dense": peers.cp_attention, "cp dense e4m3": peers.cp_attention_fp8}
@@ -82,7 +81,7 @@ def cases(sections):
                 impls[f"cp page {p} e4m3"] = functools.partial(peers.cp_attention_paged, page_size=p, fp8=True)
             for p in (16, 64):
                 impls[f"xqa page {p} e4m3"] = functools.partial(peers.flashinfer_xqa, page_size=p, fp8=True)
-            out.append(("fp8", b, t, 1, impls))
+            out.append(("fp8", b, t, 1, HQ, D, impls))
     if "d256" in sections:
         for b, t in ((1, 131072), (16, 32768), (64, 8192)):
             impls = {}
@@ -92,8 +91,8 @@ def cases(sections):
                     impls[f"cp page {p}{tag}"] = functools.partial(peers.cp_attention_paged, page_size=p, fp8=fp8)
                 for p in (16, 64):
                     impls[f"xqa page {p}{tag}"] = functools.partial(peers.flashinfer_xqa, page_size=p, fp8=fp8)
-            out.append(("d256", b, t, 1, impls, 16, 256))
-    return [c if len(c) == 7 else (*c, HQ, D) for c in out]
+            out.append(("d256", b, t, 1, 16, 256, impls))
+    return out
 
 
 def main():
@@ -106,7 +105,7 @@ def main():
     args = ap.parse_args()
     start = time.monotonic()
     rows, not_run = [], []
-    for section, b, t, q_rows, impls, hq, d in tqdm(cases(args.sections), desc="paged shapes"):
+    for section, b, t, q_rows, hq, d, impls in tqdm(cases(args.sections), desc="paged shapes"):
         if time.monotonic() - start > args.time_budget_s:
             not_run.append(f"{section} B={b} T={t} Q={q_rows}")
             continue

@@ -23,8 +23,8 @@ from typing import NamedTuple
 import torch
 
 __all__ = ["num_splits", "num_sms", "use_pdl", "DecodeConfig", "DecodePlan", "FOUR_PER_SM", "FP8_TWO_WARPS",
-           "FP8_TABLE_LOOP", "WIDE_HEADS", "WIDE_PAGES", "WIDE_FP8", "decode_config", "decode_plan", "deterministic_plan",
-           "PrefixConfig", "PrefixPlan", "prefix_config", "prefix_plan", "REFERENCE_SMS"]
+           "FP8_TABLE_LOOP", "WIDE_HEADS", "WIDE_PAGES", "WIDE_FP8", "decode_config", "decode_plan",
+           "deterministic_plan", "PrefixConfig", "PrefixPlan", "prefix_config", "prefix_plan", "REFERENCE_SMS"]
 
 # CPU tensors (the Triton interpreter) are planned as for the H200 the defaults were tuned on, so the
 # interpreter runs the split layouts the GPU runs.
@@ -155,6 +155,8 @@ def table_pages(plan: DecodePlan, page_size: int) -> int:
     return pages if pages <= MAX_SPLIT_PAGES else 0
 
 
+# "Many sequences": at least this many (sequence, KV head) pairs per SM, the waves of the rules below
+MANY_WAVES = 3
 # 64-key tiles in two stages, four programs per SM (registers capped at 128): many sequences × KV heads
 FOUR_PER_SM = DecodeConfig(64, 4, 2, programs=4, maxnreg=128)  # 65536 registers / (4 programs x 128 threads)
 # FP8 caches, dense or paged: 64-key tiles, two warps, three stages, four programs per SM (23-49 KB of shared
@@ -238,9 +240,9 @@ def decode_config(head_dim: int, dtype: torch.dtype, t_max: int | None = None, p
         if (kv_dtype or dtype).itemsize == 1:
             return WIDE_FP8
         if table:
-            return WIDE_PAGES if waves < 3 else DecodeConfig(64, 4, 2)
+            return WIDE_PAGES if waves < MANY_WAVES else DecodeConfig(64, 4, 2)
         return WIDE_HEADS
-    many_short = t_max is not None and 512 < t_max <= 2048 and waves >= 3 and not page_size
+    many_short = t_max is not None and 512 < t_max <= 2048 and waves >= MANY_WAVES and not page_size
     if many_short and (kv_dtype or dtype).itemsize == 2:
         return FOUR_PER_SM
     if t_max is not None and t_max <= 512:
@@ -293,7 +295,8 @@ def decode_plan(batch: int, num_kv_heads: int, t_max: int, head_dim: int, dtype:
     gather; B=64 pages of 16, graph µs on the H200 in three interleaved rounds: 482.5-483.5 against
     501.5-515.0 at T=8k, 7660.5-7662.6 against 7756.8-7763.1 at 128k; at head dim 256, 1322 against 954
     with 64 x 4 x 2) (:func:`table_pages`; ``aligned``: the splits start on a tile, i.e. no window and no
-    row limits), with its splits capped to fit where they do not (:data:`MIN_CAPPED_TILES`), else :func:`decode_config`'s paged config, one table entry per key.
+    row limits), with its splits capped to fit where they do not (:data:`MIN_CAPPED_TILES`), else
+    :func:`decode_config`'s paged config, one table entry per key.
     ``rows``: query rows per KV head in a program's tile (query rows x GQA group), for
     :func:`decode_config`.
 
@@ -307,7 +310,8 @@ def decode_plan(batch: int, num_kv_heads: int, t_max: int, head_dim: int, dtype:
     waves = batch * num_kv_heads / num_sms
     if page_size and aligned and config is None:
         # pages of less than 64: a tile's pages gathered, its barrier hidden by the other programs
-        gathered = page_size < 64 and waves >= 3 and (kv_dtype or dtype).itemsize == 2 and head_dim <= 128
+        gathered = (page_size < 64 and waves >= MANY_WAVES and (kv_dtype or dtype).itemsize == 2
+                    and head_dim <= 128)
         dense = decode_plan(batch, num_kv_heads, t_max, head_dim, dtype, num_sms, splits,
                             FOUR_PER_SM if gathered else decode_config(head_dim, dtype, t_max, 0, kv_dtype, waves,
                                                                        rows, table=True), kv_dtype)

@@ -466,8 +466,9 @@ def shuffled_nhd_pools(k, v, page):
 # FP8 cache forms of the policy's configs: dense (two warps, key streams), head dim 256 (WIDE_FP8, dense and in
 # pages of 16 through the register table), NHD pools of shuffled pages of one position (one table entry per
 # key: FP8_TABLE_LOOP) and of 64 (the table in registers, each tile's page gathered)
-FP8_FORMS = {"dense": (32, 128, 0, FP8_TWO_WARPS), "d256": (16, 256, 0, WIDE_FP8), "d256page16": (16, 256, 16, WIDE_FP8),
-             "page1": (32, 128, 1, FP8_TABLE_LOOP), "page64": (32, 128, 64, FP8_TWO_WARPS)}
+FP8_FORMS = {"dense": (32, 128, 0, FP8_TWO_WARPS), "d256": (16, 256, 0, WIDE_FP8),
+             "d256page16": (16, 256, 16, WIDE_FP8), "page1": (32, 128, 1, FP8_TABLE_LOOP),
+             "page64": (32, 128, 64, FP8_TWO_WARPS)}
 
 
 @pytest.mark.parametrize("form", list(FP8_FORMS))

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from cp_attention.heuristics import (FOUR_PER_SM, FP8_TABLE_LOOP, FP8_TWO_WARPS, REFERENCE_SMS, WIDE_FP8, WIDE_HEADS,
-                                      WIDE_PAGES, DecodeConfig, DecodePlan, PrefixConfig, decode_config, decode_plan, num_sms, num_splits, prefix_config,
-                                      prefix_num_splits, prefix_plan)
+                                      WIDE_PAGES, DecodeConfig, DecodePlan, PrefixConfig, decode_config, decode_plan,
+                                      num_sms, num_splits, prefix_config, prefix_num_splits, prefix_plan)
 
 
 def test_fa2_split_table():
