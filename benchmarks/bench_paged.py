@@ -10,9 +10,9 @@ bf16, Hq=32, Hkv=8, D=128 (but ``d256``), every sequence at the full context T. 
   FlashInfer XQA (page 16 or 64) and FlashInfer fa2 tensor cores on the same page size;
 * ``drafts``: B=32 T=8k with Q=4 rows (the causal rule among the drafts) against Q=1 (the same bytes), and
   FlashInfer's 4-row paths: XQA and fa2 with ``q_len_per_req=4``;
-* ``fp8``: e4m3 page pools (per-tensor scales) of 1, 16 and 64 slots at the FP8 bar's shapes (B=1 T=128k and
-  1M, B=16 T=32k, B=64 T=8k) against the dense e4m3 cache, the dense bf16 cache and FlashInfer's XQA on
-  e4m3 pages of 16 and 64 (run it with ``--name bench_paged_fp8`` to keep the 16-bit results);
+* ``fp8``: e4m3 page pools (per-tensor scales) of 1, 16, 64, 128 and 256 slots at the FP8 bar's shapes (B=1
+  T=128k and 1M, B=16 T=32k, B=64 T=8k) against the dense e4m3 cache, the dense bf16 cache and FlashInfer's
+  XQA on e4m3 pages of 16, 64 and 128 (run it with ``--name bench_paged_fp8`` to keep the 16-bit results);
 * ``d256``: head dim 256 (Hq=16, Hkv=8), bf16 and e4m3 at B=1 T=128k, B=16 T=32k and B=64 T=8k: the dense
   cache and pools of 16, 64 and 256 slots against XQA on pages of 16 and 64 (``--name bench_paged_d256``).
 
@@ -77,9 +77,9 @@ def cases(sections):
     if "fp8" in sections:
         for b, t in FP8_SHAPES:
             impls = {"cp dense": peers.cp_attention, "cp dense e4m3": peers.cp_attention_fp8}
-            for p in (1, 16, 64):
+            for p in (1, 16, 64, 128, 256):
                 impls[f"cp page {p} e4m3"] = functools.partial(peers.cp_attention_paged, page_size=p, fp8=True)
-            for p in (16, 64):
+            for p in (16, 64, 128):
                 impls[f"xqa page {p} e4m3"] = functools.partial(peers.flashinfer_xqa, page_size=p, fp8=True)
             out.append(("fp8", b, t, 1, HQ, D, impls))
     if "d256" in sections:

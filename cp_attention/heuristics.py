@@ -123,7 +123,10 @@ class DecodePlan(NamedTuple):
     ``ops/split_kv.py``); ``split_pages`` > 0: a paged cache whose block-table entries of a split (at most
     that many) are read into registers before the loop (Note [Paged tiles from registers]); ``streams`` >
     1: a dense cache's tiles read as that many key streams with states of their own (Note [Key streams]
-    in ``ops/_state.py``; ``config.block_n`` a multiple of ``16 * streams``, query tiles of 16 rows)."""
+    in ``ops/_state.py``; ``config.block_n`` a multiple of ``16 * streams``, query tiles of 16 rows);
+    ``page_tiles``: a paged cache whose pages hold whole tiles, each tile's block-table entry loaded in the
+    loop, one a tile (pages of a multiple of ``config.block_n`` positions, ``split_pages`` 0; Note [Paged
+    tiles from registers])."""
 
     config: DecodeConfig
     num_splits: int
@@ -131,6 +134,7 @@ class DecodePlan(NamedTuple):
     deterministic: bool = False
     split_pages: int = 0
     streams: int = 1
+    page_tiles: bool = False
 
 
 # A split's block-table entries held in registers at most (Note [Paged tiles from registers]). A tile's
@@ -171,6 +175,10 @@ FP8_TABLE_LOOP = DecodeConfig(64, 2, 5, programs=4)
 # four per SM (251-255 registers x 64 threads, 42-52 KB).
 WIDE_HEADS = DecodeConfig(64, 8, 2, programs=2)
 WIDE_FP8 = DecodeConfig(32, 2, 3, programs=4)
+# FP8 page pools of at least two tiles a page, one table entry loaded a tile (``DecodePlan.page_tiles``): the
+# two-warp tiles in five stages, which keep two K/V tiles in flight beside the table load's stage (sm_90,
+# 251-255 registers, 39-42 KB, four programs per SM); head dims of at most 128 take FP8_TABLE_LOOP
+WIDE_FP8_TABLE_LOOP = DecodeConfig(32, 2, 5, programs=4)
 # 16-bit page pools of head dims over 128 through the register table: WIDE_HEADS with its registers capped at
 # 128 (uncapped, pages of 128 and 256 take 159-172 registers on sm_90: one program per SM, not two; capped, no
 # spills for pages of 16-256 and query tiles of up to 32 rows). The dense specs keep their 105-128 uncapped.
@@ -264,7 +272,7 @@ def deterministic_plan(t_max: int, head_dim: int, dtype: torch.dtype, split_size
     Independent of the batch and the device, so a request's output is too.
 
     >>> deterministic_plan(100_000, 128, torch.bfloat16, 4096)
-    DecodePlan(config=DecodeConfig(block_n=128, num_warps=4, num_stages=3, programs=0, maxnreg=0), num_splits=25, tiles_per_split=32, deterministic=True, split_pages=0, streams=1)
+    DecodePlan(config=DecodeConfig(block_n=128, num_warps=4, num_stages=3, programs=0, maxnreg=0), num_splits=25, tiles_per_split=32, deterministic=True, split_pages=0, streams=1, page_tiles=False)
     """
     config = decode_config(head_dim, dtype)
     block_n = config.block_n
@@ -296,7 +304,11 @@ def decode_plan(batch: int, num_kv_heads: int, t_max: int, head_dim: int, dtype:
     501.5-515.0 at T=8k, 7660.5-7662.6 against 7756.8-7763.1 at 128k; at head dim 256, 1322 against 954
     with 64 x 4 x 2) (:func:`table_pages`; ``aligned``: the splits start on a tile, i.e. no window and no
     row limits), with its splits capped to fit where they do not (:data:`MIN_CAPPED_TILES`), else
-    :func:`decode_config`'s paged config, one table entry per key.
+    :func:`decode_config`'s paged config, one table entry per key. FP8 pools whose pages hold two tiles or
+    more (head dim <= 128: pages of 128 and more; 256: 64 and more) take the dense plan's splits with one
+    table entry loaded a tile (``page_tiles``, in :data:`FP8_TABLE_LOOP` or :data:`WIDE_FP8_TABLE_LOOP`:
+    6-12% faster than the register table on the H200, e4m3, B=64 T=8k, B=16 T=32k, B=1 T=1M (head dim 128)
+    and T=128k (256), but +3% at head dim 256, pages of 256, B=1 T=128k; Note [Paged tiles from registers]).
     ``rows``: query rows per KV head in a program's tile (query rows x GQA group), for
     :func:`decode_config`.
 
@@ -305,7 +317,7 @@ def decode_plan(batch: int, num_kv_heads: int, t_max: int, head_dim: int, dtype:
     >>> decode_plan(1, 8, 131072, 128, torch.bfloat16, 132, page_size=64).split_pages
     128
     >>> decode_plan(16, 8, 131072, 128, torch.bfloat16, 132, page_size=16)[1:]  # one split of 1024 tiles, capped
-    (4, 256, False, 2048, 1)
+    (4, 256, False, 2048, 1, False)
     """
     waves = batch * num_kv_heads / num_sms
     if page_size and aligned and config is None:
@@ -316,6 +328,9 @@ def decode_plan(batch: int, num_kv_heads: int, t_max: int, head_dim: int, dtype:
                             FOUR_PER_SM if gathered else decode_config(head_dim, dtype, t_max, 0, kv_dtype, waves,
                                                                        rows, table=True), kv_dtype)
         block_n = dense.config.block_n
+        if page_size >= 2 * block_n and dense.config in (FP8_TWO_WARPS, WIDE_FP8):  # one table entry a tile
+            return dense._replace(config=FP8_TABLE_LOOP if dense.config == FP8_TWO_WARPS else WIDE_FP8_TABLE_LOOP,
+                                  streams=1, page_tiles=True)
         capped = (MAX_SPLIT_PAGES - (page_size > block_n)) * page_size // block_n  # a mid-page start: one more
         if not table_pages(dense, page_size) and capped >= MIN_CAPPED_TILES and splits is None:
             n_blocks = max(1, math.ceil(t_max / block_n))

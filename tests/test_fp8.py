@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from cp_attention import AttentionState, CascadeLevel, cascade_decode, flash_decode, quantize_kv
-from cp_attention.heuristics import (FP8_TABLE_LOOP, FP8_TWO_WARPS, REFERENCE_SMS, WIDE_FP8, WIDE_PAGES, DecodePlan,
-                                      decode_plan)
+from cp_attention.heuristics import (FP8_TABLE_LOOP, FP8_TWO_WARPS, REFERENCE_SMS, WIDE_FP8, WIDE_FP8_TABLE_LOOP,
+                                      WIDE_PAGES, DecodePlan, decode_plan)
 from cp_attention.reference import attention
 
 from .conftest import DEVICE, assert_state_matches
@@ -209,9 +209,9 @@ def test_fp8_head_dim_256_tiles_against_the_dequantised_oracle(q_rows, kw):
                          ids=["e4m3-page16-NHD", "e5m2-page64-HND-Q4", "e4m3-page32-NHD-Q2", "bf16-page16-HND-Q4",
                               "bf16-page256-NHD"])
 def test_head_dim_256_page_pools_in_the_dense_configs(kv_dtype, page_size, layout, q_rows):
-    """Head dim 256 pools through the register table in the policy's configs: FP8 in WIDE_FP8's 32-key tiles
-    (two pages a tile, half a page, a page whose entry is gathered), 16-bit in WIDE_PAGES's 64-key tiles (four
-    pages, a quarter page); GQA 2,
+    """Head dim 256 pools in the policy's configs: FP8 in WIDE_FP8's 32-key tiles through the register table
+    (two pages a tile, a page whose entry is gathered) or, on pages of two tiles, with one table entry loaded a
+    tile, 16-bit in WIDE_PAGES's 64-key tiles (four pages, a quarter page); GQA 2,
     ragged and empty sequences, shuffled pages; the policy's splits and two."""
     q, k, v, sl = dense_cache(3, 4, 2, 150, 256, [150, 41, 0], q_rows=q_rows, dtype=torch.bfloat16, seed=27)
     if kv_dtype.itemsize == 1:
@@ -222,7 +222,10 @@ def test_head_dim_256_page_pools_in_the_dense_configs(kv_dtype, page_size, layou
         ref, scales = attention(q.double(), k.double(), v.double(), sl), {}
     plan = decode_plan(3, 2, 150, 256, torch.bfloat16, REFERENCE_SMS, kv_dtype=kv_dtype, page_size=page_size,
                        rows=(q_rows or 1) * 2)
-    assert plan.config == (WIDE_FP8 if kv_dtype.itemsize == 1 else WIDE_PAGES) and plan.split_pages > 0, plan
+    if kv_dtype.itemsize == 1 and page_size >= 64:  # two tiles a page or more: one table entry loaded a tile
+        assert plan.config == WIDE_FP8_TABLE_LOOP and plan.page_tiles and not plan.split_pages, plan
+    else:
+        assert plan.config == (WIDE_FP8 if kv_dtype.itemsize == 1 else WIDE_PAGES) and plan.split_pages > 0, plan
     kp, vp, table = page_pool(k, v, sl, page_size, layout, seed=7)
     for splits in (None, 2):
         got = flash_decode(q, kp, vp, sl, block_table=table, kv_layout=layout, num_splits=splits, return_lse=True,
@@ -231,28 +234,30 @@ def test_head_dim_256_page_pools_in_the_dense_configs(kv_dtype, page_size, layou
 
 
 # Paged FP8 caches past 512 positions in two-warp tiles: page size, layout, dtype, new rows per request,
-# window, and whether the plan reads the block table into registers (else one entry per key)
-PAGED_CASES = [(16, "NHD", torch.float8_e4m3fn, 1, None, True), (64, "HND", torch.float8_e4m3fn, 4, None, True),
-               (1, "NHD", torch.float8_e4m3fn, 3, None, False), (24, "HND", torch.float8_e5m2, 2, None, False),
-               (256, "NHD", torch.float8_e4m3fn, 2, None, True), (16, "NHD", torch.float8_e4m3fn, 1, 200, False)]
+# window, and how the plan finds a key's page: the split's entries in registers, one entry loaded a tile
+# (pages of two tiles or more), or one entry per key
+PAGED_CASES = [(16, "NHD", torch.float8_e4m3fn, 1, None, "registers"),
+               (64, "HND", torch.float8_e4m3fn, 4, None, "registers"), (1, "NHD", torch.float8_e4m3fn, 3, None, "keys"),
+               (24, "HND", torch.float8_e5m2, 2, None, "keys"), (256, "NHD", torch.float8_e4m3fn, 2, None, "tiles"),
+               (128, "HND", torch.float8_e5m2, 1, None, "tiles"), (16, "NHD", torch.float8_e4m3fn, 1, 200, "keys"),
+               (256, "NHD", torch.float8_e4m3fn, 1, 300, "keys")]
 
 
-@pytest.mark.parametrize("page_size,layout,dtype8,q_rows,window,registers", PAGED_CASES,
+@pytest.mark.parametrize("page_size,layout,dtype8,q_rows,window,form", PAGED_CASES,
                          ids=[f"page{c[0]}-{c[1]}-{str(c[2])[6:]}-Q{c[3]}{'-window' if c[4] else ''}"
                               for c in PAGED_CASES])
-def test_fp8_paged_two_warp_plans_against_the_dequantised_oracle(page_size, layout, dtype8, q_rows, window,
-                                                                 registers):
+def test_fp8_paged_two_warp_plans_against_the_dequantised_oracle(page_size, layout, dtype8, q_rows, window, form):
     """The policy's plan of an FP8 page pool of 700 positions (shuffled pages, NaN in the spare ones): the
     two-warp tiles with the split's table entries in registers, each key's page gathered (tiles over four
-    pages, a page, a quarter page), or one entry per key (pages of one, of 24, a window); ragged and empty
-    sequences; the policy's splits (one tile each) and two splits."""
+    pages, a page), one entry loaded a tile (pages of two and four tiles), or one entry per key (pages of one,
+    of 24, a window); ragged and empty sequences; the policy's splits (one tile each) and two splits."""
     q, k, v, sl = dense_cache(3, 8, 2, 700, 128, [700, 333, 0], q_rows=q_rows, dtype=torch.bfloat16, seed=31)
     k8, v8, ks, vs = quantize_kv(k, v, dtype8, per_head=True)
     ref = attention(q.double(), dequantized(k8, ks, 1), dequantized(v8, vs, 1), sl, window_left=window)
     plan = decode_plan(3, 2, 700, 128, torch.bfloat16, REFERENCE_SMS, kv_dtype=dtype8, page_size=page_size,
                        aligned=window is None, rows=q_rows * 4)
-    assert plan.config == (FP8_TWO_WARPS if registers else FP8_TABLE_LOOP) and plan.streams == 1, plan
-    assert (plan.split_pages > 0) == registers, plan
+    assert plan.config == (FP8_TWO_WARPS if form == "registers" else FP8_TABLE_LOOP) and plan.streams == 1, plan
+    assert ((plan.split_pages > 0) == (form == "registers")) and (plan.page_tiles == (form == "tiles")), plan
     kp, vp, table = page_pool(k8, v8, sl, page_size, layout, seed=5)
     for splits in (None, 2):
         got = flash_decode(q, kp, vp, sl, block_table=table, kv_layout=layout, k_scale=ks, v_scale=vs,

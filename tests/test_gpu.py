@@ -14,8 +14,8 @@ import torch.multiprocessing as mp
 from cp_attention import AttentionState, CascadeLevel, cascade_decode, flash_decode, merge_states
 from cp_attention.distributed import CPKVCache, cp_flash_decode, merge_across_ranks, set_exchange, shard_kv
 from cp_attention.exchange import exchange_for
-from cp_attention.heuristics import (FP8_TABLE_LOOP, FP8_TWO_WARPS, WIDE_FP8, WIDE_HEADS, WIDE_PAGES, decode_plan,
-                                      num_sms, table_pages)
+from cp_attention.heuristics import (FP8_TABLE_LOOP, FP8_TWO_WARPS, WIDE_FP8, WIDE_FP8_TABLE_LOOP, WIDE_HEADS,
+                                      WIDE_PAGES, decode_plan, num_sms, table_pages)
 from cp_attention.ops import symm_merge
 from cp_attention.reference import attention
 
@@ -464,11 +464,13 @@ def shuffled_nhd_pools(k, v, page):
 
 
 # FP8 cache forms of the policy's configs: dense (two warps, key streams), head dim 256 (WIDE_FP8, dense and in
-# pages of 16 through the register table), NHD pools of shuffled pages of one position (one table entry per
-# key: FP8_TABLE_LOOP) and of 64 (the table in registers, each tile's page gathered)
+# pages of 16 through the register table; pages of 64, one table entry loaded a tile), NHD pools of shuffled
+# pages of one position (one table entry per key: FP8_TABLE_LOOP), of 64 (the table in registers, each tile's
+# page gathered) and of 256 (one entry loaded a tile)
 FP8_FORMS = {"dense": (32, 128, 0, FP8_TWO_WARPS), "d256": (16, 256, 0, WIDE_FP8),
-             "d256page16": (16, 256, 16, WIDE_FP8), "page1": (32, 128, 1, FP8_TABLE_LOOP),
-             "page64": (32, 128, 64, FP8_TWO_WARPS)}
+             "d256page16": (16, 256, 16, WIDE_FP8), "d256page64": (16, 256, 64, WIDE_FP8_TABLE_LOOP),
+             "page1": (32, 128, 1, FP8_TABLE_LOOP), "page64": (32, 128, 64, FP8_TWO_WARPS),
+             "page256": (32, 128, 256, FP8_TABLE_LOOP)}
 
 
 @pytest.mark.parametrize("form", list(FP8_FORMS))
@@ -478,14 +480,14 @@ def test_fp8_long_cache_against_the_dequantised_oracle(dtype8, form):
 
     torch.manual_seed(3)
     hq, d, page, config = FP8_FORMS[form]
-    b, hkv, t = 2, 8, 40_000
+    b, hkv, t = 2, 8, 40_960
     q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(b, hkv, t, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(b, hkv, t, d, device="cuda", dtype=torch.bfloat16)
     sl = torch.tensor([t, 9_999], device="cuda", dtype=torch.int32)
     k8, v8, ks, vs = quantize_kv(k, v, dtype8, per_head=True)
     plan = decode_plan(b, hkv, t, d, q.dtype, num_sms(q.device), kv_dtype=dtype8, page_size=page, rows=hq // hkv)
-    assert plan.config == config, plan
+    assert plan.config == config and plan.page_tiles == (page >= 2 * config.block_n), plan
     kc, vc, kw = k8, v8, {}
     if page:
         kc, vc, table = shuffled_nhd_pools(k8, v8, page)

@@ -5,9 +5,10 @@ import math
 import pytest
 import torch
 
-from cp_attention.heuristics import (FOUR_PER_SM, FP8_TABLE_LOOP, FP8_TWO_WARPS, REFERENCE_SMS, WIDE_FP8, WIDE_HEADS,
-                                      WIDE_PAGES, DecodeConfig, DecodePlan, PrefixConfig, decode_config, decode_plan,
-                                      num_sms, num_splits, prefix_config, prefix_num_splits, prefix_plan)
+from cp_attention.heuristics import (FOUR_PER_SM, FP8_TABLE_LOOP, FP8_TWO_WARPS, REFERENCE_SMS, WIDE_FP8,
+                                      WIDE_FP8_TABLE_LOOP, WIDE_HEADS, WIDE_PAGES, DecodeConfig, DecodePlan,
+                                      PrefixConfig, decode_config, decode_plan, num_sms, num_splits, prefix_config, prefix_num_splits,
+                                      prefix_plan)
 
 
 def test_fa2_split_table():
@@ -50,16 +51,16 @@ def test_decode_configs():
     # pages of 16 at 3 waves and more: four programs per SM at every length (capped splits at 128k)
     assert decode_plan(64, 8, 8192, 128, torch.bfloat16, 132, page_size=16)[:3] == (FOUR_PER_SM, 1, 128)
     assert decode_plan(64, 8, 131072, 128, torch.bfloat16, 132, page_size=16)[:] == (FOUR_PER_SM, 4, 512, False,
-                                                                                    2048, 1)
+                                                                                    2048, 1, False)
     assert decode_plan(64, 8, 8192, 128, torch.bfloat16, 132, page_size=64).config == DecodeConfig(128, 4, 3)
     assert decode_plan(16, 8, 8192, 128, torch.bfloat16, 132, page_size=16).config == DecodeConfig(128, 4, 3)
     # FP8 page pools: the dense FP8 plan, one stream, the table in registers where it fits (else in the loop)
     assert decode_plan(64, 8, 8192, 128, torch.bfloat16, 132, kv_dtype=fp8, page_size=16) == (FP8_TWO_WARPS, 1, 128,
-                                                                                             False, 512, 1)
+                                                                                             False, 512, 1, False)
     assert decode_plan(1, 8, 1 << 20, 128, torch.bfloat16, 132, kv_dtype=fp8, page_size=64)[1:] == (66, 249, False,
-                                                                                                256, 1)
+                                                                                                256, 1, False)
     assert decode_plan(1, 8, 131072, 128, torch.bfloat16, 132, kv_dtype=fp8, page_size=1)[:] == (FP8_TABLE_LOOP, 64,
-                                                                                                32, False, 0, 1)
+                                                                                                32, False, 0, 1, False)
     assert FP8_TABLE_LOOP == DecodeConfig(64, 2, 5, programs=4)  # two K/V tiles in flight beside the table load
     assert decode_plan(1, 8, 131072, 128, torch.bfloat16, 132, kv_dtype=fp8, page_size=16,
                        rows=64).config == DecodeConfig(128, 4, 3)
@@ -72,8 +73,19 @@ def test_decode_configs():
     # head dim 256 pools through the register table: the dense FP8 config; 16-bit, WIDE_HEADS capped at 128
     # registers below 3 waves (never the gathered FOUR_PER_SM), 64 x 4 x 2 from 3 waves on
     assert WIDE_PAGES == WIDE_HEADS._replace(maxnreg=128)
-    assert decode_plan(1, 8, 131072, 256, torch.bfloat16, 132, kv_dtype=fp8, page_size=64, rows=2) == \
+    assert decode_plan(1, 8, 131072, 256, torch.bfloat16, 132, kv_dtype=fp8, page_size=32, rows=2) == \
         DecodePlan(WIDE_FP8, 66, 63, split_pages=64)
+    # FP8 pages of two tiles or more: the dense plan's splits, one table entry loaded a tile, five stages
+    assert WIDE_FP8_TABLE_LOOP == WIDE_FP8._replace(num_stages=5)
+    for page in (64, 256):
+        assert decode_plan(1, 8, 131072, 256, torch.bfloat16, 132, kv_dtype=fp8, page_size=page, rows=2) == \
+            DecodePlan(WIDE_FP8_TABLE_LOOP, 66, 63, page_tiles=True)
+    for page in (128, 256, 1024):
+        assert decode_plan(64, 8, 8192, 128, torch.bfloat16, 132, kv_dtype=fp8, page_size=page) == \
+            DecodePlan(FP8_TABLE_LOOP, 1, 128, page_tiles=True)
+    assert not decode_plan(64, 8, 8192, 128, torch.bfloat16, 132, page_size=256).page_tiles  # 16-bit: registers
+    assert not decode_plan(1, 8, 131072, 128, torch.bfloat16, 132, kv_dtype=fp8, page_size=256,
+                           aligned=False).page_tiles  # a window: one entry per key
     assert decode_plan(16, 8, 32768, 256, torch.bfloat16, 132, kv_dtype=fp8, page_size=16, rows=2) == \
         DecodePlan(WIDE_FP8, 4, 256, split_pages=512)
     assert decode_plan(1, 8, 131072, 256, torch.bfloat16, 132, page_size=256, rows=2) == \
@@ -159,7 +171,7 @@ def test_paged_plan_takes_the_dense_plan_with_the_table_in_registers():
         assert decode_plan(16, 8, 2048, 128, torch.bfloat16, 132, page_size=page).split_pages == 0
     assert decode_plan(1, 8, 131072, 128, torch.bfloat16, 132, page_size=64, aligned=False).split_pages == 0
     # capped: one split of 1024 tiles (8192 entries of 16) -> 4 splits of 256 tiles
-    assert decode_plan(16, 8, 131072, 128, torch.bfloat16, 132, page_size=16)[1:] == (4, 256, False, 2048, 1)
+    assert decode_plan(16, 8, 131072, 128, torch.bfloat16, 132, page_size=16)[1:] == (4, 256, False, 2048, 1, False)
     assert decode_plan(16, 8, 131072, 128, torch.bfloat16, 132, page_size=64).split_pages == 2048  # fits
     # pages of 512 (four tiles a page): a split that starts mid-page needs one entry more than its keys
     big = decode_plan(1, 8, 1 << 24, 128, torch.bfloat16, 132, page_size=512)

@@ -59,7 +59,14 @@ memory every tile, and the gather's round trip is hidden by the SM's other three
 64, 128 entries a split, B=64 T=8k and B=16 T=32k: 338-341 → 311-314 µs), whereas for a bf16 tile of 128
 keys, one program per SM, it was 24% slower (pages of 256, B=1 T=1M: 960-1001 → 1209-1212). Head dim 256
 FP8 tiles gather only on pages of one tile (32), where the where-and-sum spills (B=1 T=128k 192 → 160 µs;
-on pages of 64 and 256 the gather was 3-15% slower; ``split_kv.page_gather``). The
+on pages of 64 and 256 the gather was 3-15% slower; ``split_kv.page_gather``). FP8 pages of two tiles or
+more (``PAGE_TILES``, ``DecodePlan.page_tiles``) skip the registers: a tile lies within one page, so its
+entry is one uniform load from the block table a tile, which the pipeliner gives a stage of its own (five
+stages keep two K/V tiles in flight beside it); no round trip through shared memory, no barrier. H200,
+e4m3, graph µs against the register table (benchmarks/NOTES.md, seventeenth round): head dim 128, B=64
+T=8k pages of 128 360-366 → 324-334, of 256 371-381 → 327-336, B=1 T=1M 700-727 → 644-676; head dim 256,
+pages of 64 B=64 T=8k 709 → 641-660, B=1 T=128k 185-187 → 166-173 (pages of 256 there: 160-166 → 167-169).
+On pages of one tile it was level with the register table (head dim 128, pages of 64). The
 gather's index is clamped to the entries: Triton's pipeliner computes the addresses of the tiles it
 prefetches, the ones past the split's end included (their loads predicated off), so where a split's
 entries fill ``SPLIT_PAGES`` the unclamped index read past the gather's shared memory
@@ -207,7 +214,8 @@ def attend_tiles(b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt, p_bt, stri
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
                  IS_PAGED: tl.constexpr, HAS_ROW_LO: tl.constexpr, HAS_ROW_HI: tl.constexpr, SOFTCAP: tl.constexpr,
                  INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT_PAGES: tl.constexpr = 0,
-                 RSUM_DOT: tl.constexpr = False, STREAMS: tl.constexpr = 1, PAGE_GATHER: tl.constexpr = False):
+                 RSUM_DOT: tl.constexpr = False, STREAMS: tl.constexpr = 1, PAGE_GATHER: tl.constexpr = False,
+                 PAGE_TILES: tl.constexpr = False):
     """Level 1: the query rows ``b_q [BLOCK_M, BLOCK_D]`` attend to the keys ``[t_start, t_end)`` of one KV
     head, ``BLOCK_N`` keys per tile through ``tl.dot``, with the online softmax. In a dense cache key ``t``
     is at ``p_k + t * stride_kt + o_d``; in a page pool (``IS_PAGED``) at ``p_k + page * stride_kp + (t %
@@ -224,6 +232,9 @@ def attend_tiles(b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt, p_bt, stri
     once, before the loop, into registers; a tile's pages are picked from them by arithmetic, so no load
     inside the loop feeds a K/V address (Note [Paged tiles from registers]); ``PAGE_GATHER``: a tile within
     one page picks its entry by ``tl.gather`` too, not by a where-and-sum over the entries.
+
+    ``PAGE_TILES`` (paged, ``SPLIT_PAGES`` 0; ``PAGE_SIZE`` a multiple of ``BLOCK_N``, ``t_start`` a multiple of
+    ``BLOCK_N``): each tile lies within one page, whose entry is one load from the block table a tile.
 
     ``RSUM_DOT``: the sum of the rounded weights on the tensor cores (Note [Attention states inside
     kernels], Rounding).
@@ -257,7 +268,7 @@ def attend_tiles(b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt, p_bt, stri
                                            p_bt, stride_btp, stride_kp, stride_vp, num_pages, t0, t_end, qk_scale,
                                            cap, o_d, m_d, pages, pg0, BLOCK_N, PAGE_SIZE, IS_PAGED, HAS_ROW_LO,
                                            HAS_ROW_HI, SOFTCAP, INPUT_PRECISION, UPCAST, SPLIT_PAGES, RSUM_DOT,
-                                           PAGE_GATHER)
+                                           PAGE_GATHER, PAGE_TILES)
             t0 += BLOCK_N
     else:
         for t0 in range(t_start, t_end, BLOCK_N):
@@ -265,7 +276,7 @@ def attend_tiles(b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt, p_bt, stri
                                            p_bt, stride_btp, stride_kp, stride_vp, num_pages, t0, t_end, qk_scale,
                                            cap, o_d, m_d, pages, pg0, BLOCK_N, PAGE_SIZE, IS_PAGED, HAS_ROW_LO,
                                            HAS_ROW_HI, SOFTCAP, INPUT_PRECISION, UPCAST, SPLIT_PAGES, RSUM_DOT,
-                                           PAGE_GATHER)
+                                           PAGE_GATHER, PAGE_TILES)
     if RSUM_DOT:
         o, _ = finalize(m_i, tl.max(r_i, 1), acc, LN2)
     else:
@@ -352,7 +363,8 @@ def attend_tile(m_i, l_i, r_i, acc, b_q, row_lo, row_hi, p_k, p_v, stride_kt, st
                 stride_vp, num_pages, t0, t_end, qk_scale, cap, o_d, m_d, pages, pg0,
                 BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, IS_PAGED: tl.constexpr, HAS_ROW_LO: tl.constexpr,
                 HAS_ROW_HI: tl.constexpr, SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                SPLIT_PAGES: tl.constexpr, RSUM_DOT: tl.constexpr, PAGE_GATHER: tl.constexpr):
+                SPLIT_PAGES: tl.constexpr, RSUM_DOT: tl.constexpr, PAGE_GATHER: tl.constexpr,
+                PAGE_TILES: tl.constexpr):
     """One step of :func:`attend_tiles`: fold the keys ``[t0, min(t0 + BLOCK_N, t_end))``."""
     o_t = t0 + tl.arange(0, BLOCK_N)
     m_t = o_t < t_end
@@ -371,6 +383,9 @@ def attend_tile(m_i, l_i, r_i, acc, b_q, row_lo, row_hi, p_k, p_v, stride_kt, st
             i_kp = tl.minimum(i_pg + o_kk // PAGE_SIZE, SPLIT_PAGES - 1)
             page = tl.gather(pages, i_kp, 0).to(tl.int64)
             slot = (o_kk % PAGE_SIZE).to(tl.int64)
+    elif PAGE_TILES:  # the tile within one page: one entry, one uniform load
+        page = table_entries(p_bt, stride_btp, t0 // PAGE_SIZE, t0 < t_end, num_pages).to(tl.int64)
+        slot = (t0 % PAGE_SIZE + tl.arange(0, BLOCK_N)).to(tl.int64)
     elif IS_PAGED:
         page = table_entries(p_bt, stride_btp, o_t // PAGE_SIZE, m_t, num_pages).to(tl.int64)
         slot = (o_t % PAGE_SIZE).to(tl.int64)

@@ -80,7 +80,8 @@ from ._launch import pdl_options
 from ._state import (add_sink, attend_tiles, fp16_query, kv_bases, merge_tile, score_scales, seq_length,
                      split_range)
 from .._dispatch import next_pow2
-from ..heuristics import FOUR_PER_SM, FP8_TWO_WARPS, WIDE_FP8, WIDE_HEADS, WIDE_PAGES, DecodeConfig, decode_config
+from ..heuristics import (FOUR_PER_SM, FP8_TABLE_LOOP, FP8_TWO_WARPS, WIDE_FP8, WIDE_FP8_TABLE_LOOP, WIDE_HEADS,
+                          WIDE_PAGES, DecodeConfig, decode_config)
 
 
 @triton.jit
@@ -108,7 +109,7 @@ def _split_kv_kernel(
     HAS_SEQ_LENS: tl.constexpr, IS_PAGED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_ROW_LIMITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, KV_SCALE: tl.constexpr,
     EXPORT: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT_PAGES: tl.constexpr,
-    PDL: tl.constexpr, STREAMS: tl.constexpr, PAGE_GATHER: tl.constexpr,
+    PDL: tl.constexpr, STREAMS: tl.constexpr, PAGE_GATHER: tl.constexpr, PAGE_TILES: tl.constexpr,
 ):
     if PDL:  # Note [Programmatic dependent launch]: nothing is read before the previous kernel is done
         gdc_wait()
@@ -161,7 +162,7 @@ def _split_kv_kernel(
                               stride_btp, stride_kb, stride_vb, NUM_PAGES, t_start, t_end, qk_scale, cap, o_d, m_d,
                               BLOCK_H, BLOCK_N, BLOCK_D, PAGE_SIZE, IS_PAGED, HAS_WINDOW or HAS_ROW_LIMITS,
                               IS_CAUSAL or HAS_ROW_LIMITS, SOFTCAP, INPUT_PRECISION, UPCAST, SPLIT_PAGES,
-                              STREAMS=STREAMS, PAGE_GATHER=PAGE_GATHER)
+                              STREAMS=STREAMS, PAGE_GATHER=PAGE_GATHER, PAGE_TILES=PAGE_TILES)
     if PDL:  # the K/V reads are done: the next kernel may start its launch
         gdc_launch_dependents()
     if KV_SCALE != 0:
@@ -278,13 +279,17 @@ def split_kv_launch_config(dtype, group: int, q_rows: int, head_dim: int, plan, 
     if plan.streams > 1 and (page_size or tiling.block_h != 16 or plan.config.block_n % (16 * plan.streams)):
         raise ValueError(f"plan: {plan.streams} key streams need a dense cache, query tiles of 16 rows and "
                          f"tiles of a multiple of {16 * plan.streams} keys")
+    if plan.page_tiles and (page_size % plan.config.block_n or plan.split_pages):
+        raise ValueError(f"plan: one table entry a tile needs pages of a multiple of {plan.config.block_n} "
+                         f"positions (got {page_size}) and no entries in registers")
     constexprs = dict(GROUP_SIZE=group, Q_ROWS=q_rows, HEAD_DIM=head_dim, PAGE_SIZE=max(page_size, 1),
                       BLOCK_H=tiling.block_h, BLOCK_N=plan.config.block_n, BLOCK_D=next_pow2(head_dim),
                       HAS_SEQ_LENS=has_seq_lens, IS_PAGED=page_size > 0, IS_CAUSAL=causal, HAS_ROW_LIMITS=row_limits,
                       HAS_WINDOW=window, SOFTCAP=softcap, HAS_SINKS=sinks and not export, KV_SCALE=kv_scale,
                       EXPORT=export, **dot_flags(dtype),
                       SPLIT_PAGES=0 if window or row_limits or not page_size else plan.split_pages, PDL=pdl,
-                      STREAMS=plan.streams, PAGE_GATHER=page_gather(plan.config, page_size))
+                      STREAMS=plan.streams, PAGE_GATHER=page_gather(plan.config, page_size),
+                      PAGE_TILES=plan.page_tiles and page_size > 0 and not (window or row_limits))
     return constexprs, split_kv_options(plan.config, pdl), tiling
 
 
@@ -332,7 +337,7 @@ def export_floats(batch: int, hkv: int, tiling: RowTiling, head_dim: int, num_sp
 
 def _aot_spec(group, q_rows, export, page_size=0, causal=False, row_limits=False, block_n=128, kv="bf16",
               kv_scale=0, window=False, softcap=False, sinks=False, head_dim=128, split_pages=0, config=None,
-              streams=1):
+              streams=1, page_tiles=False):
     config = config or DecodeConfig(block_n, 4, 3)
     tiling = row_tiling(q_rows, group)
     return {
@@ -346,7 +351,7 @@ def _aot_spec(group, q_rows, export, page_size=0, causal=False, row_limits=False
                            IS_PAGED=page_size > 0, IS_CAUSAL=causal, HAS_ROW_LIMITS=row_limits,
                            HAS_WINDOW=window, SOFTCAP=softcap, HAS_SINKS=sinks and not export, KV_SCALE=kv_scale,
                            EXPORT=export, INPUT_PRECISION="tf32", UPCAST=False, SPLIT_PAGES=split_pages, PDL=True,
-                           STREAMS=streams, PAGE_GATHER=page_gather(config, page_size)),
+                           STREAMS=streams, PAGE_GATHER=page_gather(config, page_size), PAGE_TILES=page_tiles),
         "options": split_kv_options(config, pdl=True),
         "programs": config.programs,  # the plan's programs per SM, checked against the compile (tests/test_aot.py)
     }
@@ -363,7 +368,8 @@ def _aot_spec(group, q_rows, export, page_size=0, causal=False, row_limits=False
 # with per-head scales on 4 causal rows in a window with a softcap); head dim 256 (GQA 2: 16-bit split,
 # e4m3 with per-head scales on 4 causal rows; page pools in registers: 512 e4m3 pages of 16 split, 64 of
 # 32 gathered on 2 causal rows, 128 16-bit pages of 256 on 4 causal rows with registers capped at 128);
-# and the combine, with the policy's split count and with the deterministic splits.
+# FP8 pools with one table entry loaded a tile (e4m3 pages of 256 split; head dim 256, e5m2 pages of 64 with
+# per-head scales on 4 causal rows); and the combine, with the policy's split count and with the deterministic splits.
 AOT_SPECS = [_aot_spec(4, 1, True), _aot_spec(5, 1, False), _aot_spec(8, 1, True),
              _aot_spec(4, 1, True, page_size=16, block_n=64), _aot_spec(4, 1, False, page_size=64, block_n=64),
              _aot_spec(4, 4, True, causal=True), _aot_spec(8, 16, True, page_size=16, row_limits=True, block_n=64),
@@ -391,7 +397,10 @@ AOT_SPECS = [_aot_spec(4, 1, True), _aot_spec(5, 1, False), _aot_spec(8, 1, True
                        config=WIDE_FP8),
              _aot_spec(2, 2, True, page_size=32, causal=True, kv="fp8e4nv", kv_scale=1, head_dim=256, split_pages=64,
                        config=WIDE_FP8),
-             _aot_spec(2, 4, False, page_size=256, causal=True, head_dim=256, split_pages=128, config=WIDE_PAGES)] + [
+             _aot_spec(2, 4, False, page_size=256, causal=True, head_dim=256, split_pages=128, config=WIDE_PAGES),
+             _aot_spec(4, 1, True, page_size=256, kv="fp8e4nv", kv_scale=1, config=FP8_TABLE_LOOP, page_tiles=True),
+             _aot_spec(2, 4, False, page_size=64, causal=True, kv="fp8e5", kv_scale=2, head_dim=256,
+                       config=WIDE_FP8_TABLE_LOOP, page_tiles=True)] + [
     {"kernel": _combine_kernel, "signature": {"WORK": "*fp32", "SINKS": "*fp32", "O": "*bf16", "LSE": "*fp32"},
      "constexprs": cfg[0], "options": cfg[1]}
     for cfg in (combine_launch_config(4, 1, 128, True, 16, pdl=True),
