@@ -383,13 +383,16 @@ def attend_tile(m_i, l_i, r_i, acc, b_q, row_lo, row_hi, p_k, p_v, stride_kt, st
             i_kp = tl.minimum(i_pg + o_kk // PAGE_SIZE, SPLIT_PAGES - 1)
             page = tl.gather(pages, i_kp, 0).to(tl.int64)
             slot = (o_kk % PAGE_SIZE).to(tl.int64)
-    elif PAGE_TILES:  # the tile within one page: one entry, one uniform load
-        page = table_entries(p_bt, stride_btp, t0 // PAGE_SIZE, t0 < t_end, num_pages).to(tl.int64)
-        slot = (t0 % PAGE_SIZE + tl.arange(0, BLOCK_N)).to(tl.int64)
-    elif IS_PAGED:
+    elif IS_PAGED and not PAGE_TILES:
         page = table_entries(p_bt, stride_btp, o_t // PAGE_SIZE, m_t, num_pages).to(tl.int64)
         slot = (o_t % PAGE_SIZE).to(tl.int64)
-    if IS_PAGED:
+    if PAGE_TILES:  # the tile within one page: one entry, one uniform load; the tile's first row as a scalar
+        page = table_entries(p_bt, stride_btp, t0 // PAGE_SIZE, t0 < t_end, num_pages).to(tl.int64)
+        slot0 = (t0 % PAGE_SIZE).to(tl.int64)
+        o_n = tl.arange(0, BLOCK_N).to(tl.int64)
+        o_k = (page * stride_kp + slot0 * stride_kt) + o_n * stride_kt
+        o_v = (page * stride_vp + slot0 * stride_vt) + o_n * stride_vt
+    elif IS_PAGED:
         o_k = page * stride_kp + slot * stride_kt
         o_v = page * stride_vp + slot * stride_vt
     else:
