@@ -307,8 +307,9 @@ def decode_plan(batch: int, num_kv_heads: int, t_max: int, head_dim: int, dtype:
     :func:`decode_config`'s paged config, one table entry per key. FP8 pools whose pages hold two tiles or
     more (head dim <= 128: pages of 128 and more; 256: 64 and more) take the dense plan's splits with one
     table entry loaded a tile (``page_tiles``, in :data:`FP8_TABLE_LOOP` or :data:`WIDE_FP8_TABLE_LOOP`:
-    6-12% faster than the register table on the H200, e4m3, B=64 T=8k, B=16 T=32k, B=1 T=1M (head dim 128)
-    and T=128k (256), but +3% at head dim 256, pages of 256, B=1 T=128k; Note [Paged tiles from registers]).
+    on the H200, e4m3, 10-16% less time than the register table at B=1 T=128k, B=16 T=32k, B=64 T=8k and B=1
+    T=1M over two A/Bs; at head dim 256 on pages of 256 with splits of 63-64 tiles the first form was 3-4%
+    slower and the final one was not A/B-tested there; Note [Paged tiles from registers]).
     ``rows``: query rows per KV head in a program's tile (query rows x GQA group), for
     :func:`decode_config`.
 

@@ -62,11 +62,13 @@ FP8 tiles gather only on pages of one tile (32), where the where-and-sum spills 
 on pages of 64 and 256 the gather was 3-15% slower; ``split_kv.page_gather``). FP8 pages of two tiles or
 more (``PAGE_TILES``, ``DecodePlan.page_tiles``) skip the registers: a tile lies within one page, so its
 entry is one uniform load from the block table a tile, which the pipeliner gives a stage of its own (five
-stages keep two K/V tiles in flight beside it); no round trip through shared memory, no barrier. H200,
-e4m3, graph µs against the register table (benchmarks/NOTES.md, seventeenth round): head dim 128, B=64
-T=8k pages of 128 360-366 → 324-334, of 256 371-381 → 327-336, B=1 T=1M 700-727 → 644-676; head dim 256,
-pages of 64 B=64 T=8k 709 → 641-660, B=1 T=128k 185-187 → 166-173 (pages of 256 there: 160-166 → 167-169).
-On pages of one tile it was level with the register table (head dim 128, pages of 64). The
+stages keep two K/V tiles in flight beside it); no round trip through shared memory, no barrier; the
+tile's first row is one scalar offset, its keys' offsets loop-invariant (64-bit products per key cost
+4-6%). H200, e4m3, graph µs against the register table (benchmarks/NOTES.md, seventeenth round, two A/Bs:
+the entry loaded a tile, then the scalar first row): head dim 128, B=64 T=8k pages of 128 360-366 → 324-334
+→ 315-318, B=1 T=128k pages of 256 97-99 → 86-87 → 82; head dim 256, pages of 64, B=1 T=128k 185-187 →
+166-173 → 157-159; pages of 256 at splits of 63-64 tiles were 3-4% slower (161-170 → 167-178, before the
+scalar first row). On pages of one tile it was level with the register table (head dim 128, pages of 64). The
 gather's index is clamped to the entries: Triton's pipeliner computes the addresses of the tiles it
 prefetches, the ones past the split's end included (their loads predicated off), so where a split's
 entries fill ``SPLIT_PAGES`` the unclamped index read past the gather's shared memory
