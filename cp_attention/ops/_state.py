@@ -371,23 +371,6 @@ def attend_tile(m_i, l_i, r_i, acc, b_q, row_lo, row_hi, p_k, p_v, stride_kt, st
     o_t = t0 + tl.arange(0, BLOCK_N)
     m_t = o_t < t_end
     m_td = m_t[:, None] & m_d[None, :]
-    if SPLIT_PAGES > 0:  # the tile's pages, from the registers (Note [Paged tiles from registers])
-        i_pg = t0 // PAGE_SIZE - pg0  # the tile's first page among the range's
-        if BLOCK_N <= PAGE_SIZE and not PAGE_GATHER:  # one page (tl.sum of one nonzero entry: exact)
-            o_pg = tl.arange(0, SPLIT_PAGES)
-            page = tl.sum(tl.where(o_pg == i_pg, pages, 0), 0).to(tl.int64)
-            slot = (t0 % PAGE_SIZE + tl.arange(0, BLOCK_N)).to(tl.int64)
-        else:  # each key's page, gathered (one round trip through shared memory)
-            o_kk = t0 % PAGE_SIZE + tl.arange(0, BLOCK_N)  # offsets from the first page's start
-            # clamped: the software pipeliner also computes the addresses of the tiles past the split's end
-            # (their loads predicated off), and an index past the entries reads past the gather's shared
-            # memory (Note [Paged tiles from registers])
-            i_kp = tl.minimum(i_pg + o_kk // PAGE_SIZE, SPLIT_PAGES - 1)
-            page = tl.gather(pages, i_kp, 0).to(tl.int64)
-            slot = (o_kk % PAGE_SIZE).to(tl.int64)
-    elif IS_PAGED and not PAGE_TILES:
-        page = table_entries(p_bt, stride_btp, o_t // PAGE_SIZE, m_t, num_pages).to(tl.int64)
-        slot = (o_t % PAGE_SIZE).to(tl.int64)
     if PAGE_TILES:  # the tile within one page: one entry, one uniform load; the tile's first row as a scalar
         page = table_entries(p_bt, stride_btp, t0 // PAGE_SIZE, t0 < t_end, num_pages).to(tl.int64)
         slot0 = (t0 % PAGE_SIZE).to(tl.int64)
@@ -395,6 +378,23 @@ def attend_tile(m_i, l_i, r_i, acc, b_q, row_lo, row_hi, p_k, p_v, stride_kt, st
         o_k = (page * stride_kp + slot0 * stride_kt) + o_n * stride_kt
         o_v = (page * stride_vp + slot0 * stride_vt) + o_n * stride_vt
     elif IS_PAGED:
+        if SPLIT_PAGES > 0:  # the tile's pages, from the registers (Note [Paged tiles from registers])
+            i_pg = t0 // PAGE_SIZE - pg0  # the tile's first page among the range's
+            if BLOCK_N <= PAGE_SIZE and not PAGE_GATHER:  # one page (tl.sum of one nonzero entry: exact)
+                o_pg = tl.arange(0, SPLIT_PAGES)
+                page = tl.sum(tl.where(o_pg == i_pg, pages, 0), 0).to(tl.int64)
+                slot = (t0 % PAGE_SIZE + tl.arange(0, BLOCK_N)).to(tl.int64)
+            else:  # each key's page, gathered (one round trip through shared memory)
+                o_kk = t0 % PAGE_SIZE + tl.arange(0, BLOCK_N)  # offsets from the first page's start
+                # clamped: the software pipeliner also computes the addresses of the tiles past the split's end
+                # (their loads predicated off), and an index past the entries reads past the gather's shared
+                # memory (Note [Paged tiles from registers])
+                i_kp = tl.minimum(i_pg + o_kk // PAGE_SIZE, SPLIT_PAGES - 1)
+                page = tl.gather(pages, i_kp, 0).to(tl.int64)
+                slot = (o_kk % PAGE_SIZE).to(tl.int64)
+        else:  # one table entry per key
+            page = table_entries(p_bt, stride_btp, o_t // PAGE_SIZE, m_t, num_pages).to(tl.int64)
+            slot = (o_t % PAGE_SIZE).to(tl.int64)
         o_k = page * stride_kp + slot * stride_kt
         o_v = page * stride_vp + slot * stride_vt
     else:
