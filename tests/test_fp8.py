@@ -285,6 +285,9 @@ def _bad():
         ("quantize-per-head", lambda: quantize_kv(k, v, per_head=1), TypeError, "per_head"),
         ("streams-paged", lambda: flash_decode(q, kp, vp, sl, block_table=table, k_scale=ks, v_scale=vs,
                                                plan=DecodePlan(FP8_TWO_WARPS, 1, 1, streams=4)), ValueError, "plan"),
+        ("page-tiles-small-pages", lambda: flash_decode(q, kp, vp, sl, block_table=table, k_scale=ks, v_scale=vs,
+                                                        plan=DecodePlan(FP8_TABLE_LOOP, 1, 1, page_tiles=True)),
+         ValueError, "plan"),
     ]
 
 
