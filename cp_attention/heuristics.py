@@ -172,7 +172,8 @@ FP8_TWO_WARPS = DecodeConfig(64, 2, 3, programs=4)
 FP8_TABLE_LOOP = DecodeConfig(64, 2, 5, programs=4)
 # Head dims over 128 (dense caches, query tiles of at most 32 rows), counted from sm_90 compiles at D = 256:
 # 16-bit, two programs per SM (105-128 registers x 256 threads, 76-87 KB); FP8, 32-key tiles of two warps,
-# four per SM (251-255 registers x 64 threads, 42-52 KB).
+# four per SM (251-255 registers x 64 threads, 42-52 KB; tiles of at most 8 query rows pair their values,
+# 168-248 registers and 43 KB, where five would fit: four are planned, as measured; split_kv.pairs_values).
 WIDE_HEADS = DecodeConfig(64, 8, 2, programs=2)
 WIDE_FP8 = DecodeConfig(32, 2, 3, programs=4)
 # FP8 page pools of at least two tiles a page, one table entry loaded a tile (``DecodePlan.page_tiles``): the

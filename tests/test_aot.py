@@ -5,6 +5,7 @@ Each ops module lists realistic compiles in ``AOT_SPECS``; a kernel (``_*_kernel
 """
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -51,6 +52,18 @@ def test_split_kv_streams_16_byte_copies_into_tensor_cores(report):
         assert "atom" not in ptx, s["id"]  # level 2 is the combine kernel's: no ticket, no atomic
         if s["constexprs"]["PDL"]:  # Note [Programmatic dependent launch]: wait first, release after the loop
             assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents"), s["id"]
+
+
+def test_paired_fp8_values_reach_the_tensor_cores_without_byte_loads(report):
+    """Note [FP8 values in pairs]: an FP8 V tile read in pairs leaves shared memory in wide loads; the same
+    tiles unpaired (16 rows, or one table entry loaded a tile) take single-byte loads."""
+    fp8 = [s for s in report["specs"] if s["kernel"] == "_split_kv_kernel" and s["constexprs"]["HEAD_DIM"] == 256
+           and s["constexprs"]["KV_SCALE"]]
+    paired = [s for s in fp8 if s["constexprs"]["PAIR_V"]]
+    assert len(paired) >= 3 and len(fp8) > len(paired)
+    for s in fp8:
+        byte_loads = re.findall(r"ld\.shared\.[usb]8", s["ptx"])
+        assert (not byte_loads) == bool(s["constexprs"]["PAIR_V"]), (s["id"], len(byte_loads))
 
 
 def test_split_plans_count_no_more_programs_per_sm_than_fit(report):

@@ -6,6 +6,7 @@ import torch
 from cp_attention import AttentionState, CascadeLevel, cascade_decode, flash_decode, quantize_kv
 from cp_attention.heuristics import (FP8_TABLE_LOOP, FP8_TWO_WARPS, REFERENCE_SMS, WIDE_FP8, WIDE_FP8_TABLE_LOOP,
                                       WIDE_PAGES, DecodePlan, decode_plan)
+from cp_attention.ops.split_kv import split_kv_launch_config
 from cp_attention.reference import attention
 
 from .conftest import DEVICE, assert_state_matches
@@ -189,10 +190,11 @@ def test_fp8_key_streams_against_the_dequantised_oracle(dtype8, per_head, q_rows
         assert_state_matches(got, ref, q.dtype)
 
 
-@pytest.mark.parametrize("q_rows,kw", [(None, {}), (4, {"window_left": 50})], ids=["Q1", "Q4-window"])
+@pytest.mark.parametrize("q_rows,kw", [(None, {}), (4, {"window_left": 50}), (8, {})], ids=["Q1", "Q4-window", "Q8"])
 def test_fp8_head_dim_256_tiles_against_the_dequantised_oracle(q_rows, kw):
     """The head-dim-256 FP8 tiles (32 keys, two warps): GQA 2, ragged and empty sequences, one split of every
-    tile or three splits."""
+    tile or three splits; 2 and 8 query rows per KV head with the values paired, 16 without (Note [FP8 values
+    in pairs])."""
     q, k, v, sl = dense_cache(3, 4, 2, 150, 256, [150, 41, 0], q_rows=q_rows, dtype=torch.bfloat16, seed=23)
     k8, v8, ks, vs = quantize_kv(k, v, torch.float8_e4m3fn, per_head=True)
     ref = attention(q.double(), dequantized(k8, ks, 1), dequantized(v8, vs, 1), sl, **kw)
@@ -200,6 +202,24 @@ def test_fp8_head_dim_256_tiles_against_the_dequantised_oracle(q_rows, kw):
         got = flash_decode(q, k8, v8, sl, k_scale=ks, v_scale=vs, plan=DecodePlan(WIDE_FP8, splits, tiles),
                            return_lse=True, **kw)
         assert_state_matches(got, ref, q.dtype)
+
+
+def test_values_pair_in_the_wide_fp8_tiles_of_at_most_8_rows():
+    """``PAIR_V`` (Note [FP8 values in pairs]): FP8 caches in WIDE_FP8's tiles read by at most 8 query rows per
+    KV head, in row tiles of 8 that the kernel doubles; the exported states keep their rows (the combine's
+    layout)."""
+    def launch(config, kv_scale, q_rows, page_size=0):
+        c, _, tiling = split_kv_launch_config(torch.bfloat16, 2, q_rows, 256, DecodePlan(config, 3, 2),
+                                              has_seq_lens=True, page_size=page_size, causal=q_rows > 1,
+                                              row_limits=False, kv_scale=kv_scale)
+        return c["PAIR_V"], c["BLOCK_H"], tiling.n_rt, tiling.rows_t
+
+    assert launch(WIDE_FP8, 1, 1) == (2, 8, 1, 2)
+    assert launch(WIDE_FP8, 2, 4, page_size=16) == (2, 8, 1, 8)
+    assert launch(WIDE_FP8, 1, 8) == (0, 16, 1, 16)  # 16 rows
+    assert launch(WIDE_FP8_TABLE_LOOP, 1, 1, page_size=64) == (0, 16, 1, 2)  # one entry loaded a tile
+    assert launch(WIDE_FP8, 0, 1) == (0, 16, 1, 2)  # a 16-bit cache
+    assert launch(FP8_TWO_WARPS, 1, 1) == (0, 16, 1, 2)  # head dim 128's tiles
 
 
 @pytest.mark.parametrize("kv_dtype,page_size,layout,q_rows",

@@ -94,6 +94,27 @@ values). Measured on the H200 (e4m3, 32/8/128, graph µs, benchmarks/NOTES.md, f
 T=1M 571-572 → 546-550, B=64 T=8k 289-292 → 282-283, B=16 T=32k 287-289 → 279-282; B=1 T=16k 15.1 →
 19.7 (hence the rule). One stream per warp is slower (86 µs at B=1 T=128k against 77).
 
+Note [FP8 values in pairs]
+--------------------------
+``p @ v`` reduces over keys, and the tensor cores take a thread's operand as adjacent elements of the
+reduction: a 16-bit V tile gets them from ``ldmatrix.trans``, but sm_90 has no transposing 8-bit shared load,
+so an FP8 V tile reaches the ``mma`` as single-byte loads and byte packing (128 ``LDS.U8`` a thread for a
+32-key tile of head dim 256 in two warps). With ``PAIR_V`` the query rows are doubled, ``(r, e)`` for each
+parity ``e`` of a value dim, and the reduction runs over ``(key c, parity e)``: ``o[(r, e'), j] = sum_{c, e}
+p2[(r, e'), (c, e)] v2[(c, e), j]`` with ``p2 = p[r, c]`` where ``e == e'`` (else 0) and ``v2[(c, e), j] =
+v[c, 2 j + e]`` gives ``o[r, 2 j + e']``, so the two values of a reduction pair are adjacent bytes of one
+key. The value columns are also permuted (:func:`pair_values`) so that a thread's pairs are 8 bytes in a
+row. For query tiles of at most 8 rows (16 once doubled, one ``mma``'s rows; the value columns halve) the
+``mma`` count is unchanged. Triton 3.6, sm_90, e4m3, head dim 256, GQA 2, a 32-key tile: 825 loop
+instructions instead of 1160, 168-248 registers instead of 255, no byte loads of V. The zero weights add
+exact zeros; the state is the same up to the order of the additions. Measured on the H200 (16/8/256,
+graph µs, four alternating rounds; benchmarks/NOTES.md, eighteenth round): dense B=16 T=32k 611 → 578,
+B=64 T=8k 602 → 596, B=1 T=128k 152 → 151; pages of 16 and 32 through the register table 4-6% less at
+B=16 and B=64, 0.5-1% at B=1. Pools whose tiles load one table entry (``WIDE_FP8_TABLE_LOOP``) were 3-5%
+slower paired, and at head dim 128 (64-key tiles of GQA 4) pairing did not pay (eleventh round: each warp's
+chain, not the byte loads, sets the time there), so only :data:`~cp_attention.heuristics.WIDE_FP8` tiles
+pair (``split_kv.pairs_values``).
+
 Note [Loops under the interpreter]
 ----------------------------------
 Triton 3.6's interpreter holds every scalar as a shape-[1] NumPy array and gives ``range()`` a runtime
@@ -217,7 +238,7 @@ def attend_tiles(b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt, p_bt, stri
                  IS_PAGED: tl.constexpr, HAS_ROW_LO: tl.constexpr, HAS_ROW_HI: tl.constexpr, SOFTCAP: tl.constexpr,
                  INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT_PAGES: tl.constexpr = 0,
                  RSUM_DOT: tl.constexpr = False, STREAMS: tl.constexpr = 1, PAGE_GATHER: tl.constexpr = False,
-                 PAGE_TILES: tl.constexpr = False):
+                 PAGE_TILES: tl.constexpr = False, PAIR_V: tl.constexpr = 0):
     """Level 1: the query rows ``b_q [BLOCK_M, BLOCK_D]`` attend to the keys ``[t_start, t_end)`` of one KV
     head, ``BLOCK_N`` keys per tile through ``tl.dot``, with the online softmax. In a dense cache key ``t``
     is at ``p_k + t * stride_kt + o_d``; in a page pool (``IS_PAGED``) at ``p_k + page * stride_kp + (t %
@@ -241,6 +262,9 @@ def attend_tiles(b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt, p_bt, stri
     ``RSUM_DOT``: the sum of the rounded weights on the tensor cores (Note [Attention states inside
     kernels], Rounding).
 
+    ``PAIR_V`` > 0 (FP8 tiles of at most 8 rows; the program's warps): ``p @ v`` over (key, value-dim
+    parity) pairs, every row doubled (Note [FP8 values in pairs]); the same state.
+
     ``STREAMS`` > 1 (a dense cache; ``BLOCK_N`` a multiple of ``16 * STREAMS``): each tile's keys are cut
     into ``STREAMS`` streams of ``BLOCK_N // STREAMS`` with running states of their own, merged by ⊕ after
     the loop (:func:`attend_streams`, Note [Key streams]).
@@ -249,6 +273,18 @@ def attend_tiles(b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt, p_bt, stri
         return attend_streams(b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt, t_start, t_end, qk_scale, cap,
                               o_d, m_d, BLOCK_M, BLOCK_N, BLOCK_D, HAS_ROW_LO, HAS_ROW_HI, SOFTCAP, INPUT_PRECISION,
                               UPCAST, STREAMS)
+    if PAIR_V:  # Note [FP8 values in pairs]: row 2 r + e is row r, for value dims of parity e
+        b_q = pair_rows(b_q)
+        qk_scale = pair_rows(qk_scale * tl.full([BLOCK_M, 1], 1.0, tl.float32))
+        if HAS_ROW_LO:
+            row_lo = pair_entries(row_lo)
+        if HAS_ROW_HI:
+            row_hi = pair_entries(row_hi)
+        ROWS: tl.constexpr = 2 * BLOCK_M
+        COLS: tl.constexpr = BLOCK_D // 2
+    else:
+        ROWS: tl.constexpr = BLOCK_M
+        COLS: tl.constexpr = BLOCK_D
     if SPLIT_PAGES > 0:
         o_pg = tl.arange(0, SPLIT_PAGES)
         pg0 = t_start // PAGE_SIZE
@@ -256,13 +292,13 @@ def attend_tiles(b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt, p_bt, stri
     else:
         pg0 = 0
         pages = tl.zeros([1], tl.int32)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)  # sum of the weights: the lse
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)  # sum of the weights: the lse
     if RSUM_DOT:  # the sum of the rounded weights, which normalises o (with RSUM_DOT in each of 16 columns)
-        r_i = tl.zeros([BLOCK_M, 16], tl.float32)
+        r_i = tl.zeros([ROWS, 16], tl.float32)
     else:
-        r_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        r_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, COLS], tl.float32)
     if INTERPRET:  # Note [Loops under the interpreter]
         t0 = t_start
         while t0 < t_end:
@@ -270,7 +306,7 @@ def attend_tiles(b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt, p_bt, stri
                                            p_bt, stride_btp, stride_kp, stride_vp, num_pages, t0, t_end, qk_scale,
                                            cap, o_d, m_d, pages, pg0, BLOCK_N, PAGE_SIZE, IS_PAGED, HAS_ROW_LO,
                                            HAS_ROW_HI, SOFTCAP, INPUT_PRECISION, UPCAST, SPLIT_PAGES, RSUM_DOT,
-                                           PAGE_GATHER, PAGE_TILES)
+                                           PAGE_GATHER, PAGE_TILES, PAIR_V)
             t0 += BLOCK_N
     else:
         for t0 in range(t_start, t_end, BLOCK_N):
@@ -278,12 +314,14 @@ def attend_tiles(b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt, p_bt, stri
                                            p_bt, stride_btp, stride_kp, stride_vp, num_pages, t0, t_end, qk_scale,
                                            cap, o_d, m_d, pages, pg0, BLOCK_N, PAGE_SIZE, IS_PAGED, HAS_ROW_LO,
                                            HAS_ROW_HI, SOFTCAP, INPUT_PRECISION, UPCAST, SPLIT_PAGES, RSUM_DOT,
-                                           PAGE_GATHER, PAGE_TILES)
+                                           PAGE_GATHER, PAGE_TILES, PAIR_V)
     if RSUM_DOT:
         o, _ = finalize(m_i, tl.max(r_i, 1), acc, LN2)
     else:
         o, _ = finalize(m_i, r_i, acc, LN2)
     _, lse = finalize(m_i, l_i, acc, LN2)
+    if PAIR_V:
+        o, lse = unpair_state(o, lse, BLOCK_M, BLOCK_D, PAIR_V)
     return o, lse
 
 
@@ -366,7 +404,7 @@ def attend_tile(m_i, l_i, r_i, acc, b_q, row_lo, row_hi, p_k, p_v, stride_kt, st
                 BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, IS_PAGED: tl.constexpr, HAS_ROW_LO: tl.constexpr,
                 HAS_ROW_HI: tl.constexpr, SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                 SPLIT_PAGES: tl.constexpr, RSUM_DOT: tl.constexpr, PAGE_GATHER: tl.constexpr,
-                PAGE_TILES: tl.constexpr):
+                PAGE_TILES: tl.constexpr, PAIR_V: tl.constexpr):
     """One step of :func:`attend_tiles`: fold the keys ``[t0, min(t0 + BLOCK_N, t_end))``."""
     o_t = t0 + tl.arange(0, BLOCK_N)
     m_t = o_t < t_end
@@ -405,14 +443,17 @@ def attend_tile(m_i, l_i, r_i, acc, b_q, row_lo, row_hi, p_k, p_v, stride_kt, st
     b_s = capped(dot(b_q, tl.trans(b_k), None, INPUT_PRECISION, UPCAST) * qk_scale, cap, SOFTCAP)
     b_s = seen_scores(b_s, o_t, m_t, row_lo, row_hi, HAS_ROW_LO, HAS_ROW_HI)
     m_i, m_ref, alpha = running_max(m_i, tl.max(b_s, 1), 1.0)
-    b_v = tl.load(p_v + o_v[:, None] + o_d[None, :], mask=m_td, other=0.0).to(b_q.dtype)
-    l_i, r_i, acc = fold_weights(l_i, r_i, acc, b_s, m_ref, alpha, b_v, 1, INPUT_PRECISION, UPCAST, RSUM_DOT)
+    b_v = tl.load(p_v + o_v[:, None] + o_d[None, :], mask=m_td, other=0.0)
+    if PAIR_V:  # Note [FP8 values in pairs]
+        b_v = pair_values(b_v, PAIR_V)
+    l_i, r_i, acc = fold_weights(l_i, r_i, acc, b_s, m_ref, alpha, b_v.to(b_q.dtype), 1, INPUT_PRECISION, UPCAST,
+                                 RSUM_DOT, PAIR_V)
     return m_i, l_i, r_i, acc
 
 
 @triton.jit
 def fold_weights(l_i, r_i, acc, b_s, m_ref, alpha, b_v, AX: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                 UPCAST: tl.constexpr, RSUM_DOT: tl.constexpr):
+                 UPCAST: tl.constexpr, RSUM_DOT: tl.constexpr, PAIR_V: tl.constexpr = 0):
     """The online-softmax step of level 1 after :func:`running_max` gave ``(m_ref, alpha)``: a tile's masked
     base-2 scores ``b_s [..., M, N]`` (the keys on axis ``AX``, the last) become weights ``2^(s - m_ref)``,
     and the sums and ``acc`` are rescaled by ``alpha`` and take them (Note [Attention states inside
@@ -426,8 +467,52 @@ def fold_weights(l_i, r_i, acc, b_s, m_ref, alpha, b_v, AX: tl.constexpr, INPUT_
         r_i = dot(p, tl.full([b_s.shape[AX], 16], 1.0, p.dtype), r_i * alpha[:, None], INPUT_PRECISION, UPCAST)
     else:
         r_i = r_i * alpha + tl.sum(p.to(tl.float32), AX)
+    if PAIR_V:  # Note [FP8 values in pairs]
+        p = pair_weights(p)
     acc = dot(p, b_v, acc * tl.expand_dims(alpha, AX), INPUT_PRECISION, UPCAST)
     return l_i, r_i, acc
+
+
+@triton.jit
+def pair_rows(x):
+    """``x [M, K]`` -> ``[2 M, K]``, row ``2 r + e`` a copy of row ``r`` (Note [FP8 values in pairs])."""
+    return tl.reshape(tl.permute(tl.join(x, x), (0, 2, 1)), (2 * x.shape[0], x.shape[1]))
+
+
+@triton.jit
+def pair_entries(x):
+    """``x [M]`` -> ``[2 M]``, entry ``2 r + e`` a copy of entry ``r`` (Note [FP8 values in pairs])."""
+    return tl.reshape(tl.join(x, x), (2 * x.shape[0],))
+
+
+@triton.jit
+def pair_weights(p):
+    """The weights ``p [2 M, N]`` of paired rows -> ``[2 M, 2 N]``: column ``2 c + e`` of row ``(r, e')``
+    holds ``p[(r, e'), c]`` where ``e == e'``, else 0 (Note [FP8 values in pairs])."""
+    even = (tl.arange(0, p.shape[0]) % 2 == 0)[:, None]
+    return tl.reshape(tl.join(tl.where(even, p, 0.0), tl.where(even, 0.0, p)), (p.shape[0], 2 * p.shape[1]))
+
+
+@triton.jit
+def pair_values(v, WARPS: tl.constexpr):
+    """A value tile ``v [N, D]`` -> ``[2 N, D / 2]``: row ``2 c + e``, column ``n = 8 (W a + w) + g`` holds
+    ``v[c, 16 g + 2 A w + 2 a + e]`` (``W`` = min(``WARPS``, D / 16) warps, ``A = D / (16 W)``), so the
+    bytes a thread reads for the tensor cores are adjacent (Note [FP8 values in pairs])."""
+    W: tl.constexpr = WARPS if 16 * WARPS <= v.shape[1] else v.shape[1] // 16
+    A: tl.constexpr = v.shape[1] // (16 * W)
+    v5 = tl.reshape(v, (v.shape[0], 8, W, A, 2))
+    return tl.reshape(tl.permute(v5, (0, 4, 3, 2, 1)), (2 * v.shape[0], v.shape[1] // 2))
+
+
+@triton.jit
+def unpair_state(o, lse, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, WARPS: tl.constexpr):
+    """The paired state ``(o [2 M, D / 2], lse [2 M])`` -> ``(o [M, D], lse [M])`` (the inverse of
+    :func:`pair_values`' column order; both rows of a pair hold the same lse)."""
+    W: tl.constexpr = WARPS if 16 * WARPS <= BLOCK_D else BLOCK_D // 16
+    A: tl.constexpr = BLOCK_D // (16 * W)
+    o = tl.reshape(tl.permute(tl.reshape(o, (BLOCK_M, 2, A, W, 8)), (0, 4, 3, 2, 1)), (BLOCK_M, BLOCK_D))
+    lse, _ = tl.split(tl.reshape(lse, (BLOCK_M, 2)))
+    return o, lse
 
 
 @triton.jit

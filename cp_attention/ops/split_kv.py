@@ -110,6 +110,7 @@ def _split_kv_kernel(
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, KV_SCALE: tl.constexpr,
     EXPORT: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT_PAGES: tl.constexpr,
     PDL: tl.constexpr, STREAMS: tl.constexpr, PAGE_GATHER: tl.constexpr, PAGE_TILES: tl.constexpr,
+    PAIR_V: tl.constexpr,
 ):
     if PDL:  # Note [Programmatic dependent launch]: nothing is read before the previous kernel is done
         gdc_wait()
@@ -162,7 +163,7 @@ def _split_kv_kernel(
                               stride_btp, stride_kb, stride_vb, NUM_PAGES, t_start, t_end, qk_scale, cap, o_d, m_d,
                               BLOCK_H, BLOCK_N, BLOCK_D, PAGE_SIZE, IS_PAGED, HAS_WINDOW or HAS_ROW_LIMITS,
                               IS_CAUSAL or HAS_ROW_LIMITS, SOFTCAP, INPUT_PRECISION, UPCAST, SPLIT_PAGES,
-                              STREAMS=STREAMS, PAGE_GATHER=PAGE_GATHER, PAGE_TILES=PAGE_TILES)
+                              STREAMS=STREAMS, PAGE_GATHER=PAGE_GATHER, PAGE_TILES=PAGE_TILES, PAIR_V=PAIR_V)
     if PDL:  # the K/V reads are done: the next kernel may start its launch
         gdc_launch_dependents()
     if KV_SCALE != 0:
@@ -241,10 +242,11 @@ class RowTiling(NamedTuple):
     rows_t: int
 
 
-def row_tiling(q_rows: int, group: int) -> RowTiling:
-    """Tiles of at most 64 rows (16 at least: the smallest ``tl.dot`` tile)."""
+def row_tiling(q_rows: int, group: int, paired: bool = False) -> RowTiling:
+    """Tiles of at most 64 rows (16 at least: the smallest ``tl.dot`` tile; 8 for ``paired`` rows, which the
+    kernel doubles: Note [FP8 values in pairs])."""
     rows = q_rows * group
-    block_h = max(16, min(64, next_pow2(rows)))
+    block_h = max(8 if paired else 16, min(64, next_pow2(rows)))
     return RowTiling(block_h, -(-rows // block_h), min(rows, block_h))
 
 
@@ -274,7 +276,8 @@ def split_kv_launch_config(dtype, group: int, q_rows: int, head_dim: int, plan, 
     ``pdl``: launched with programmatic dependent launch (Note [Programmatic dependent launch]; a CUDA
     device of compute capability 9 or more, never the interpreter).
     """
-    tiling = row_tiling(q_rows, group)
+    paired = pairs_values(plan.config, kv_scale, q_rows * group)
+    tiling = row_tiling(q_rows, group, paired)
     export = exports(plan)
     if plan.streams > 1 and (page_size or tiling.block_h != 16 or plan.config.block_n % (16 * plan.streams)):
         raise ValueError(f"plan: {plan.streams} key streams need a dense cache, query tiles of 16 rows and "
@@ -289,8 +292,19 @@ def split_kv_launch_config(dtype, group: int, q_rows: int, head_dim: int, plan, 
                       EXPORT=export, **dot_flags(dtype),
                       SPLIT_PAGES=0 if window or row_limits or not page_size else plan.split_pages, PDL=pdl,
                       STREAMS=plan.streams, PAGE_GATHER=page_gather(plan.config, page_size),
-                      PAGE_TILES=plan.page_tiles and page_size > 0 and not (window or row_limits))
+                      PAGE_TILES=plan.page_tiles and page_size > 0 and not (window or row_limits),
+                      PAIR_V=plan.config.num_warps if paired else 0)
     return constexprs, split_kv_options(plan.config, pdl), tiling
+
+
+def pairs_values(config, kv_scale: int, rows: int) -> bool:
+    """Whether the split kernel runs ``p @ v`` over value pairs (``PAIR_V``, Note [FP8 values in pairs]): FP8
+    caches (``kv_scale`` != 0) in :data:`~cp_attention.heuristics.WIDE_FP8`'s tiles (head dims over 128, dense
+    or through the register table) read by at most 8 query rows per KV head. H200, e4m3, 16/8/256, graph µs,
+    four alternating rounds: 0.5-6% less time at B=1 T=128k, B=16 T=32k and B=64 T=8k; pools of one entry
+    loaded a tile (``WIDE_FP8_TABLE_LOOP``) were 3-5% slower paired, head dim 128 level or slower
+    (benchmarks/NOTES.md, eleventh and eighteenth rounds)."""
+    return kv_scale != 0 and rows <= 8 and config == WIDE_FP8
 
 
 def page_gather(config, page_size: int) -> bool:
@@ -339,7 +353,8 @@ def _aot_spec(group, q_rows, export, page_size=0, causal=False, row_limits=False
               kv_scale=0, window=False, softcap=False, sinks=False, head_dim=128, split_pages=0, config=None,
               streams=1, page_tiles=False):
     config = config or DecodeConfig(block_n, 4, 3)
-    tiling = row_tiling(q_rows, group)
+    paired = pairs_values(config, kv_scale, q_rows * group)
+    tiling = row_tiling(q_rows, group, paired)
     return {
         "kernel": _split_kv_kernel,
         "signature": {"Q": "*bf16", "K": f"*{kv}", "V": f"*{kv}", "SEQ_LENS": "*i32", "BLOCK_TABLE": "*i32",
@@ -351,7 +366,8 @@ def _aot_spec(group, q_rows, export, page_size=0, causal=False, row_limits=False
                            IS_PAGED=page_size > 0, IS_CAUSAL=causal, HAS_ROW_LIMITS=row_limits,
                            HAS_WINDOW=window, SOFTCAP=softcap, HAS_SINKS=sinks and not export, KV_SCALE=kv_scale,
                            EXPORT=export, INPUT_PRECISION="tf32", UPCAST=False, SPLIT_PAGES=split_pages, PDL=True,
-                           STREAMS=streams, PAGE_GATHER=page_gather(config, page_size), PAGE_TILES=page_tiles),
+                           STREAMS=streams, PAGE_GATHER=page_gather(config, page_size), PAGE_TILES=page_tiles,
+                           PAIR_V=config.num_warps if paired else 0),
         "options": split_kv_options(config, pdl=True),
         "programs": config.programs,  # the plan's programs per SM, checked against the compile (tests/test_aot.py)
     }
@@ -366,8 +382,9 @@ def _aot_spec(group, q_rows, export, page_size=0, causal=False, row_limits=False
 # programs per SM, registers capped at 128: 32 pages of 64, 2048 of 16 split; FP8 in two
 # warps: e4m3 split, e5m2 with per-head scales on 8 causal rows; and in four key streams: e4m3 split, e5m2
 # with per-head scales on 4 causal rows in a window with a softcap); head dim 256 (GQA 2: 16-bit split,
-# e4m3 with per-head scales on 4 causal rows; page pools in registers: 512 e4m3 pages of 16 split, 64 of
-# 32 gathered on 2 causal rows, 128 16-bit pages of 256 on 4 causal rows with registers capped at 128);
+# e4m3 with per-head scales on 4 causal rows, values paired; e5m2 on 8 causal rows, unpaired; page pools in
+# registers, values paired: 512 e4m3 pages of 16 split, 64 of 32 gathered on 2 causal rows; 128 16-bit pages
+# of 256 on 4 causal rows with registers capped at 128);
 # FP8 pools with one table entry loaded a tile (e4m3 pages of 256 split; head dim 256, e5m2 pages of 64 with
 # per-head scales on 4 causal rows); and the combine, with the policy's split count and with the deterministic splits.
 AOT_SPECS = [_aot_spec(4, 1, True), _aot_spec(5, 1, False), _aot_spec(8, 1, True),
@@ -393,6 +410,7 @@ AOT_SPECS = [_aot_spec(4, 1, True), _aot_spec(5, 1, False), _aot_spec(8, 1, True
                        config=FP8_TWO_WARPS, streams=4),
              _aot_spec(2, 1, True, head_dim=256, config=WIDE_HEADS),
              _aot_spec(2, 4, True, causal=True, kv="fp8e4nv", kv_scale=2, head_dim=256, config=WIDE_FP8),
+             _aot_spec(2, 8, False, causal=True, kv="fp8e5", kv_scale=1, head_dim=256, config=WIDE_FP8),
              _aot_spec(2, 1, True, page_size=16, kv="fp8e4nv", kv_scale=1, head_dim=256, split_pages=512,
                        config=WIDE_FP8),
              _aot_spec(2, 2, True, page_size=32, causal=True, kv="fp8e4nv", kv_scale=1, head_dim=256, split_pages=64,
