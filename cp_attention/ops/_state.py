@@ -494,23 +494,21 @@ def pair_weights(p):
 
 
 @triton.jit
-def pair_values(v, WARPS: tl.constexpr):
-    """A value tile ``v [N, D]`` -> ``[2 N, D / 2]``: row ``2 c + e``, column ``n = 8 (W a + w) + g`` holds
-    ``v[c, 16 g + 2 A w + 2 a + e]`` (``W`` = min(``WARPS``, D / 16) warps, ``A = D / (16 W)``), so the
+def pair_values(v, W: tl.constexpr):
+    """A value tile ``v [N, D]`` -> ``[2 N, D / 2]`` for ``W`` warps (``D`` a multiple of ``16 W``): row ``2 c +
+    e``, column ``n = 8 (W a + w) + g`` holds ``v[c, 16 g + 2 A w + 2 a + e]`` (``A = D / (16 W)``), so the
     bytes a thread reads for the tensor cores are adjacent (Note [FP8 values in pairs])."""
-    W: tl.constexpr = WARPS if 16 * WARPS <= v.shape[1] else v.shape[1] // 16
-    A: tl.constexpr = v.shape[1] // (16 * W)
-    v5 = tl.reshape(v, (v.shape[0], 8, W, A, 2))
+    tl.static_assert(v.shape[1] % (16 * W) == 0)
+    v5 = tl.reshape(v, (v.shape[0], 8, W, v.shape[1] // (16 * W), 2))
     return tl.reshape(tl.permute(v5, (0, 4, 3, 2, 1)), (2 * v.shape[0], v.shape[1] // 2))
 
 
 @triton.jit
-def unpair_state(o, lse, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, WARPS: tl.constexpr):
+def unpair_state(o, lse, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, W: tl.constexpr):
     """The paired state ``(o [2 M, D / 2], lse [2 M])`` -> ``(o [M, D], lse [M])`` (the inverse of
     :func:`pair_values`' column order; both rows of a pair hold the same lse)."""
-    W: tl.constexpr = WARPS if 16 * WARPS <= BLOCK_D else BLOCK_D // 16
-    A: tl.constexpr = BLOCK_D // (16 * W)
-    o = tl.reshape(tl.permute(tl.reshape(o, (BLOCK_M, 2, A, W, 8)), (0, 4, 3, 2, 1)), (BLOCK_M, BLOCK_D))
+    o = tl.reshape(tl.permute(tl.reshape(o, (BLOCK_M, 2, BLOCK_D // (16 * W), W, 8)), (0, 4, 3, 2, 1)),
+                   (BLOCK_M, BLOCK_D))
     lse, _ = tl.split(tl.reshape(lse, (BLOCK_M, 2)))
     return o, lse
 
