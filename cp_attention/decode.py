@@ -33,7 +33,8 @@ from ._constants import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, LOG2E
 from ._dispatch import use_triton
 from ._validate import (check_bool, check_head_dim, check_index_tensor, check_int, check_kv_layout, check_kv_scales,
                         check_sm_scale, check_tensor, check_unit_stride, check_variants)
-from .heuristics import DecodePlan, decode_plan, deterministic_plan, num_sms, use_pdl
+from .heuristics import (FP8_ONE_WARP, FP8_ONE_WARP_LONG, DecodePlan, decode_plan, deterministic_plan, num_sms,
+                         one_warp_fp8, one_warp_plan, use_pdl)
 from .state import AttentionState
 
 __all__ = ["flash_decode"]
@@ -192,6 +193,10 @@ def _prepare(q, k, v, seq_lens, block_table, row_limits, sinks, scales, num_spli
 
     b, hq, d = q.shape[0], q.shape[-2], q.shape[-1]
     multi = q.dim() == 4
+    rows = geo.q_rows * (hq // geo.hkv)
+    # the domain of the one-warp FP8 kernel beyond dtype and shapes (Note [One-warp FP8 tiles])
+    plain = (not geo.page_size and window_left is None and not softcap and sinks is None and row_limits is None
+             and split_size is None)
     if split_size is not None:
         plan = deterministic_plan(geo.t_max, d, q.dtype, split_size)
     elif plan is None:
@@ -199,9 +204,11 @@ def _prepare(q, k, v, seq_lens, block_table, row_limits, sinks, scales, num_spli
         # splits tile that span from its first position, not the whole cache.
         reach = geo.t_max if window_left is None else min(geo.t_max, window_left + geo.q_rows)
         reach = reach if span is None else min(reach, span)
-        plan = decode_plan(b, geo.hkv, reach, d, q.dtype, num_sms(q.device), num_splits, kv_dtype=k.dtype,
-                           page_size=geo.page_size, aligned=window_left is None and row_limits is None,
-                           rows=geo.q_rows * (hq // geo.hkv))
+        if one_warp_fp8(q.device, k.dtype, d, rows, reach, plain):
+            plan = one_warp_plan(b, geo.hkv, reach, num_sms(q.device), num_splits)
+        else:
+            plan = decode_plan(b, geo.hkv, reach, d, q.dtype, num_sms(q.device), num_splits, kv_dtype=k.dtype,
+                               page_size=geo.page_size, aligned=window_left is None and row_limits is None, rows=rows)
     ks, vs = k.stride(), v.stride()
     # The kernel reads k/v through (batch or page, KV head, position or slot) strides.
     if kv_layout == "NHD":
@@ -211,6 +218,15 @@ def _prepare(q, k, v, seq_lens, block_table, row_limits, sinks, scales, num_spli
         q.dtype, hq // geo.hkv, geo.q_rows, d, plan, has_seq_lens=seq_lens is not None, page_size=geo.page_size,
         causal=geo.q_rows > 1 and row_limits is None, row_limits=row_limits is not None, kv_scale=geo.kv_scale,
         window=window_left is not None and row_limits is None, softcap=softcap, sinks=sinks is not None, pdl=pdl)
+    kernel = _split_kv_kernel
+    if plan.config in (FP8_ONE_WARP, FP8_ONE_WARP_LONG):
+        if not one_warp_fp8(q.device, k.dtype, d, rows, geo.t_max, plain):
+            raise ValueError("plan: the one-warp FP8 configs run a dense FP8 cache of head dim 128 and more than 512 "
+                             "positions, "
+                             "at most 16 query rows per KV head, no pages, window, softcap, sinks or split_size, "
+                             "on an sm_90 GPU")
+        from .ops.split_kv_fp8 import _split_kv_fp8_kernel
+        kernel, constexprs = _split_kv_fp8_kernel, dict(constexprs, NUM_STAGES=plan.config.num_stages)
     grid = (b * geo.hkv * tiling.n_rt, plan.num_splits)
     cuda = q.get_device() if q.is_cuda else None
     lse_shape = tuple(q.shape[:-1])
@@ -225,7 +241,7 @@ def _prepare(q, k, v, seq_lens, block_table, row_limits, sinks, scales, num_spli
                 *(block_table.stride() if block_table is not None else (0, 0)),
                 *(row_limits.stride() if row_limits is not None else (0, 0, 0)),
                 *((sc.stride(0) if sc.dim() else 0) if geo.kv_scale == 2 else 0 for sc in scales), sink_stride)
-    launcher = Launcher(_split_kv_kernel, grid, constexprs, device=cuda, static=int_args, **options)
+    launcher = Launcher(kernel, grid, constexprs, device=cuda, static=int_args, **options)
     combine, work = None, 0
     if exports(plan):
         work = export_floats(b, geo.hkv, tiling, d, plan.num_splits)

@@ -22,9 +22,10 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["num_splits", "num_sms", "use_pdl", "DecodeConfig", "DecodePlan", "FOUR_PER_SM", "FP8_TWO_WARPS",
-           "FP8_TABLE_LOOP", "WIDE_HEADS", "WIDE_PAGES", "WIDE_FP8", "WIDE_FP8_TABLE_LOOP", "decode_config",
-           "decode_plan", "deterministic_plan", "PrefixConfig", "PrefixPlan", "prefix_config", "prefix_plan", "REFERENCE_SMS"]
+__all__ = ["num_splits", "num_sms", "use_pdl", "one_warp_fp8", "one_warp_plan", "DecodeConfig", "DecodePlan",
+           "FOUR_PER_SM", "FP8_TWO_WARPS", "FP8_ONE_WARP", "FP8_ONE_WARP_LONG", "FP8_TABLE_LOOP", "WIDE_HEADS",
+           "WIDE_PAGES", "WIDE_FP8", "WIDE_FP8_TABLE_LOOP", "decode_config", "decode_plan", "deterministic_plan",
+           "PrefixConfig", "PrefixPlan", "prefix_config", "prefix_plan", "REFERENCE_SMS"]
 
 # CPU tensors (the Triton interpreter) are planned as for the H200 the defaults were tuned on, so the
 # interpreter runs the split layouts the GPU runs.
@@ -34,6 +35,7 @@ _SMEM_PER_SM = 227 * 1024
 
 _NUM_SMS: dict = {}
 _PDL: dict = {}
+_SM90: dict = {}
 
 
 def num_sms(device: torch.device) -> int:
@@ -85,6 +87,47 @@ def use_pdl(device: torch.device) -> bool:
         use = _PDL[device] = (torch.cuda.get_device_capability(index)[0] >= 9
                               and os.environ.get("CP_ATTENTION_PDL", "1") != "0")
     return use
+
+
+def one_warp_fp8(device: torch.device, kv_dtype: torch.dtype, head_dim: int, rows: int, t_max: int,
+                 plain: bool) -> bool:
+    """Whether a decode runs the one-warp FP8 kernel (``ops/split_kv_fp8.py``, Note [One-warp FP8 tiles]),
+    planned with :data:`FP8_ONE_WARP`: a dense FP8 cache of head dim 128 and more than 512 positions, query
+    tiles of at most 16 rows (query rows x GQA group), on a CUDA device of compute capability 9.x (the sm_90
+    kernel it was written and measured for; a Gluon kernel has no interpreter path), unless the
+    environment sets ``CP_ATTENTION_ONE_WARP=0`` (read once per device). ``plain``: no pages, window,
+    softcap, sinks, row limits, deterministic splits or given plan (the rest of the split kernel's domain,
+    which the Triton kernel keeps).
+
+    >>> one_warp_fp8(torch.device("cpu"), torch.float8_e4m3fn, 128, 4, 131072, True)
+    False
+    """
+    if not (plain and device.type == "cuda" and kv_dtype.itemsize == 1 and head_dim == 128 and rows <= 16
+            and t_max > 512) or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    use = _SM90.get(device)
+    if use is None:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        use = _SM90[device] = (torch.cuda.get_device_capability(index)[0] == 9
+                               and os.environ.get("CP_ATTENTION_ONE_WARP", "1") != "0")
+    return use
+
+
+def one_warp_plan(batch: int, num_kv_heads: int, t_max: int, num_sms: int, splits: int | None = None) -> DecodePlan:
+    """The plan of the one-warp FP8 kernel (:func:`one_warp_fp8`): one wave of :data:`FP8_ONE_WARP`'s eight
+    programs per SM (or ``splits``), in :data:`FP8_ONE_WARP_LONG`'s 32-key tiles where a split holds more than
+    :data:`LONG_SPLIT_KEYS` positions.
+
+    >>> [one_warp_plan(1, 8, t, 132)[:3] for t in (131072, 1 << 20)]  # doctest: +NORMALIZE_WHITESPACE
+    [(DecodeConfig(block_n=16, num_warps=1, num_stages=3, programs=8, maxnreg=0), 131, 63),
+     (DecodeConfig(block_n=32, num_warps=1, num_stages=3, programs=8, maxnreg=0), 132, 249)]
+    """
+    plan = decode_plan(batch, num_kv_heads, t_max, 128, torch.bfloat16, num_sms, splits, FP8_ONE_WARP,
+                       torch.float8_e4m3fn)
+    if plan.tiles_per_split * FP8_ONE_WARP.block_n <= LONG_SPLIT_KEYS:
+        return plan
+    return decode_plan(batch, num_kv_heads, t_max, 128, torch.bfloat16, num_sms, plan.num_splits,
+                       FP8_ONE_WARP_LONG, torch.float8_e4m3fn)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -166,6 +209,17 @@ FOUR_PER_SM = DecodeConfig(64, 4, 2, programs=4, maxnreg=128)  # 65536 registers
 # FP8 caches, dense or paged: 64-key tiles, two warps, three stages, four programs per SM (23-49 KB of shared
 # memory, 241-255 registers on sm_90 without spills for query tiles of up to 32 rows; 64 rows spill)
 FP8_TWO_WARPS = DecodeConfig(64, 2, 3, programs=4)
+# The one-warp FP8 kernel of sm_90 (ops/split_kv_fp8.py, :func:`one_warp_fp8`): 16-key tiles, one warp, a ring
+# of three stages, eight programs per SM (168-192 registers, 12 KB of shared memory; H200, e4m3, 32/8/128,
+# graph µs at one wave: 8 programs a SM against 12 at B=1 T=128k 77.2 / 81.7, B=16 T=32k 259.9 / 270.9,
+# B=64 T=8k 271.3 / 277.6, B=1 T=1M 530.2 / 516.9; benchmarks/NOTES.md, nineteenth round)
+FP8_ONE_WARP = DecodeConfig(16, 1, 3, programs=8)
+# ... in 32-key tiles (202-226 registers, 24 KB; still eight per SM) for splits of more than LONG_SPLIT_KEYS
+# positions: H200, e4m3, 32/8/128, graph µs, ABBA in one process: B=1 T=1M (7944 a split) 496.0-498.1 against
+# 555.1-568.3 in 16-key tiles; B=1 T=128k (1008) 77.2 against 75.5-75.8, B=64 T=8k (4096) 260.6-261.3 against
+# 257.7-258.8, B=16 T=32k (4096) level (benchmarks/NOTES.md, nineteenth round)
+FP8_ONE_WARP_LONG = DecodeConfig(32, 1, 3, programs=8)
+LONG_SPLIT_KEYS = 4096
 # FP8 page pools read one table entry per key: the same tiles in five stages, which Triton's pipeliner turns
 # into two K/V tiles in flight beside the table load's stage (three or four stages: one; sm_90, 232-255
 # registers, 40-46 KB, four programs per SM)

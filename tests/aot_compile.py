@@ -17,6 +17,7 @@ os.environ.pop("TRITON_INTERPRET", None)
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 import cp_attention.ops as ops_pkg  # noqa: E402
@@ -33,7 +34,8 @@ def compile_spec(spec):
         # Mirror the JIT's specialisation of launch arguments: pointers and strides divisible by 16.
         if sig[name].startswith("*") or name.startswith("stride_"):
             attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
+    source = GluonASTSource if kernel.is_gluon() else ASTSource
+    src = source(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=spec.get("options", {}))
 
 

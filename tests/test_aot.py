@@ -76,7 +76,7 @@ def test_split_plans_count_no_more_programs_per_sm_than_fit(report):
               "*fp8e5": torch.float8_e5m2}
     named = 0
     for s in report["specs"]:
-        if s["kernel"] != "_split_kv_kernel":
+        if s["kernel"] not in ("_split_kv_kernel", "_split_kv_fp8_kernel"):
             continue
         c, o = s["constexprs"], s["options"]
         config = DecodeConfig(c["BLOCK_N"], o["num_warps"], o["num_stages"], s["programs"])
@@ -165,3 +165,20 @@ def test_symm_merge_protocols(report):
         assert "fence" not in s["ptx"] and ".sys" not in s["ptx"], s["id"]
         if s["constexprs"]["EXCHANGE_BLOCK_M"]:  # the rows again, to each peer
             assert s["ptx"].count("st.global") > plain, s["id"]
+
+
+def test_one_warp_fp8_tiles_reach_the_tensor_cores_without_a_layout_change(report):
+    """Note [One-warp FP8 tiles]: the K/V tiles enter shared memory by 16-byte ``cp.async`` only and leave it
+    by 16-byte loads straight into the ``mma`` operands: no other shared store, no narrower shared load (a
+    layout change through shared memory would add both), no cross-warp barrier beyond the ring's; PDL's wait
+    comes first and the release after the loop; eight programs fit an SM without spills."""
+    specs = [s for s in report["specs"] if s["kernel"] == "_split_kv_fp8_kernel"]
+    assert len(specs) >= 4
+    for s in specs:
+        ptx = s["ptx"]
+        assert s["num_warps"] == 1 and s["local"] == 0 and s["programs"] == 8, s["id"]
+        assert "cp.async.cg.shared.global" in ptx and "mma.sync.aligned.m16n8k16" in ptx, s["id"]
+        assert "st.shared" not in ptx, s["id"]
+        loads = re.findall(r"ld\.shared\.(\S+)", ptx)
+        assert loads and all(w.startswith("v4.b32") or w.startswith("v4.u32") for w in loads), (s["id"], set(loads))
+        assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents"), s["id"]

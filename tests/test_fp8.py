@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from cp_attention import AttentionState, CascadeLevel, cascade_decode, flash_decode, quantize_kv
-from cp_attention.heuristics import (FP8_TABLE_LOOP, FP8_TWO_WARPS, REFERENCE_SMS, WIDE_FP8, WIDE_FP8_TABLE_LOOP,
-                                      WIDE_PAGES, DecodePlan, decode_plan)
+from cp_attention.heuristics import (FP8_ONE_WARP, FP8_TABLE_LOOP, FP8_TWO_WARPS, REFERENCE_SMS, WIDE_FP8,
+                                      WIDE_FP8_TABLE_LOOP, WIDE_PAGES, DecodePlan, decode_plan)
 from cp_attention.ops.split_kv import split_kv_launch_config
 from cp_attention.reference import attention
 
@@ -305,6 +305,8 @@ def _bad():
         ("quantize-per-head", lambda: quantize_kv(k, v, per_head=1), TypeError, "per_head"),
         ("streams-paged", lambda: flash_decode(q, kp, vp, sl, block_table=table, k_scale=ks, v_scale=vs,
                                                plan=DecodePlan(FP8_TWO_WARPS, 1, 1, streams=4)), ValueError, "plan"),
+        ("one-warp-off-sm90", lambda: flash_decode(q, k8, v8, sl, k_scale=ks, v_scale=vs,
+                                                   plan=DecodePlan(FP8_ONE_WARP, 1, 3)), ValueError, "plan"),
         ("page-tiles-small-pages", lambda: flash_decode(q, kp, vp, sl, block_table=table, k_scale=ks, v_scale=vs,
                                                         plan=DecodePlan(FP8_TABLE_LOOP, 1, 1, page_tiles=True)),
          ValueError, "plan"),

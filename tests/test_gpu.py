@@ -14,10 +14,12 @@ import torch.multiprocessing as mp
 from cp_attention import AttentionState, CascadeLevel, cascade_decode, flash_decode, merge_states
 from cp_attention.distributed import CPKVCache, cp_flash_decode, merge_across_ranks, set_exchange, shard_kv
 from cp_attention.exchange import exchange_for
-from cp_attention.heuristics import (FP8_TABLE_LOOP, FP8_TWO_WARPS, WIDE_FP8, WIDE_FP8_TABLE_LOOP, WIDE_HEADS,
-                                      WIDE_PAGES, decode_plan, num_sms, table_pages)
+from cp_attention.heuristics import (FP8_ONE_WARP, FP8_ONE_WARP_LONG, FP8_TABLE_LOOP, FP8_TWO_WARPS, WIDE_FP8, WIDE_FP8_TABLE_LOOP,
+                                      WIDE_HEADS, WIDE_PAGES, decode_plan, num_sms, one_warp_fp8, table_pages)
 from cp_attention.ops import symm_merge
 from cp_attention.reference import attention
+
+from .conftest import assert_state_matches
 
 pytestmark = pytest.mark.gpu
 
@@ -467,7 +469,8 @@ def shuffled_nhd_pools(k, v, page):
 # pages of 16 through the register table; pages of 64, one table entry loaded a tile), NHD pools of shuffled
 # pages of one position (one table entry per key: FP8_TABLE_LOOP), of 64 (the table in registers, each tile's
 # page gathered) and of 256 (one entry loaded a tile)
-FP8_FORMS = {"dense": (32, 128, 0, FP8_TWO_WARPS), "d256": (16, 256, 0, WIDE_FP8),
+FP8_FORMS = {"dense": (32, 128, 0, FP8_TWO_WARPS), "dense1w": (32, 128, 0, FP8_ONE_WARP),
+             "d256": (16, 256, 0, WIDE_FP8),
              "d256page16": (16, 256, 16, WIDE_FP8), "d256page64": (16, 256, 64, WIDE_FP8_TABLE_LOOP),
              "page1": (32, 128, 1, FP8_TABLE_LOOP), "page64": (32, 128, 64, FP8_TWO_WARPS),
              "page256": (32, 128, 256, FP8_TABLE_LOOP)}
@@ -486,13 +489,16 @@ def test_fp8_long_cache_against_the_dequantised_oracle(dtype8, form):
     v = torch.randn(b, hkv, t, d, device="cuda", dtype=torch.bfloat16)
     sl = torch.tensor([t, 9_999], device="cuda", dtype=torch.int32)
     k8, v8, ks, vs = quantize_kv(k, v, dtype8, per_head=True)
-    plan = decode_plan(b, hkv, t, d, q.dtype, num_sms(q.device), kv_dtype=dtype8, page_size=page, rows=hq // hkv)
+    plan = decode_plan(b, hkv, t, d, q.dtype, num_sms(q.device), kv_dtype=dtype8, page_size=page, rows=hq // hkv,
+                       config=FP8_ONE_WARP if config == FP8_ONE_WARP else None)
     assert plan.config == config and plan.page_tiles == (page >= 2 * config.block_n), plan
+    # the policy runs the one-warp kernel on a dense cache of this GPU, the Triton kernels elsewhere
+    assert one_warp_fp8(q.device, dtype8, d, hq // hkv, t, not page) == (page == 0 and d == 128)
     kc, vc, kw = k8, v8, {}
     if page:
         kc, vc, table = shuffled_nhd_pools(k8, v8, page)
         kw = dict(block_table=table, kv_layout="NHD")
-    got = flash_decode(q, kc, vc, sl, k_scale=ks, v_scale=vs, return_lse=True, **kw)
+    got = flash_decode(q, kc, vc, sl, k_scale=ks, v_scale=vs, return_lse=True, plan=plan, **kw)
     kd = k8.double() * ks.double().view(1, -1, 1, 1)
     vd = v8.double() * vs.double().view(1, -1, 1, 1)
     ref = attention(q.double(), kd, vd, sl)
@@ -558,3 +564,83 @@ def test_deterministic_splits_are_batch_invariant_on_gpu():
     assert torch.equal(alone.o, batch.o[2:3]) and torch.equal(alone.lse, batch.lse[2:3])
     ref = attention(q.double(), k.double(), v.double(), sl)
     torch.testing.assert_close(batch.o.double(), ref.o, atol=2e-2, rtol=2e-2)
+
+
+ONE_WARP_CASES = [
+    # (fp8 dtype, per-head scale tensors (else python floats), layout, Q rows, Hq, Hkv, num_splits)
+    (torch.float8_e4m3fn, False, "HND", 1, 32, 8, None),
+    (torch.float8_e5m2, True, "NHD", 1, 40, 8, 3),  # GQA 5
+    (torch.float8_e4m3fn, True, "HND", 4, 16, 4, None),  # 16 causal rows
+    (torch.float8_e5m2, False, "HND", 2, 8, 1, 1),  # one split: the output written by the split kernel
+    (torch.float8_e4m3fn, True, "NHD", 1, 16, 1, None),  # GQA 16
+    (torch.float8_e4m3fn, False, "NHD", 3, 20, 4, 7),  # 15 causal rows of GQA 5
+    (torch.float8_e5m2, True, "HND", 4, 16, 4, "long"),  # 32-key tiles (FP8_ONE_WARP_LONG), two splits
+    (torch.float8_e4m3fn, False, "NHD", 1, 32, 8, "long"),
+]
+
+
+@pytest.mark.parametrize("dtype8,per_head,layout,q_rows,hq,hkv,splits", ONE_WARP_CASES,
+                         ids=[f"{str(c[0])[6:]}-{'head' if c[1] else 'float'}-{c[2]}-Q{c[3]}-{c[4]}x{c[5]}-S{c[6]}"
+                              for c in ONE_WARP_CASES])
+def test_one_warp_fp8_kernel_against_the_dequantised_oracle(dtype8, per_head, layout, q_rows, hq, hkv, splits):
+    """Note [One-warp FP8 tiles]: the Gluon kernel (no interpreter path: this is its numerical test) against
+    the float64 oracle on the dequantised cache, ragged lengths (empty, shorter than the drafts, mid-tile,
+    one tile past a split), NaN past each length and in the output buffers before the call; and against the
+    Triton two-warp kernel on the same call."""
+    from cp_attention import quantize_kv
+
+    torch.manual_seed(q_rows * 100 + hq)
+    b, t, d = 4, 5003, 128
+    q = torch.randn(b, q_rows, hq, d, device="cuda", dtype=torch.bfloat16) * 2
+    k = torch.randn(b, hkv, t, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(b, hkv, t, d, device="cuda", dtype=torch.bfloat16)
+    sl = torch.tensor([t, 2, 0, 2065], device="cuda", dtype=torch.int32)
+    k8, v8, ks, vs = quantize_kv(k, v, dtype8, per_head=per_head)
+    past = torch.arange(t, device="cuda")[None, :] >= sl[:, None].long()
+    for x8 in (k8, v8):  # garbage past each length: FP8 NaN
+        x8.view(torch.uint8).masked_fill_(past[:, None, :, None], 0x7F)
+    kd = k8.double() * ks.double().view(1, -1, 1, 1) if per_head else k8.double() * float(ks)
+    vd = v8.double() * vs.double().view(1, -1, 1, 1) if per_head else v8.double() * float(vs)
+    ref = attention(q.double(), kd.nan_to_num(), vd.nan_to_num(), sl)
+    scales = (ks, vs) if per_head else (float(ks), float(vs))
+    kc, vc = (k8, v8) if layout == "HND" else (k8.transpose(1, 2).contiguous(), v8.transpose(1, 2).contiguous())
+    assert one_warp_fp8(q.device, dtype8, d, q_rows * hq // hkv, t, True)
+    out = (torch.full_like(q, float("nan")), torch.full(q.shape[:-1], float("nan"), device="cuda"))
+    kw = dict(num_splits=splits)
+    if splits == "long":
+        splits = 2
+        kw = dict(plan=decode_plan(b, hkv, t, d, q.dtype, num_sms(q.device), splits, config=FP8_ONE_WARP_LONG))
+    got = flash_decode(q, kc, vc, sl, kv_layout=layout, k_scale=scales[0], v_scale=scales[1], out=out,
+                       return_lse=True, **kw)
+    assert got.o.data_ptr() == out[0].data_ptr()
+    assert_state_matches(got, ref, torch.bfloat16)
+    seen = torch.isfinite(ref.lse)  # the lse sums the unrounded weights: fp32-accurate (2 keys to 5003)
+    torch.testing.assert_close(got.lse.double()[seen], ref.lse[seen], atol=2e-5, rtol=0)
+    two = decode_plan(b, hkv, t, d, q.dtype, num_sms(q.device), splits, config=FP8_TWO_WARPS)
+    other = flash_decode(q, kc, vc, sl, kv_layout=layout, k_scale=scales[0], v_scale=scales[1], plan=two,
+                         return_lse=True)
+    torch.testing.assert_close(got.o, other.o, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(got.lse, other.lse, atol=1e-4, rtol=1e-5)
+
+
+def test_one_warp_fp8_graph_replay_with_new_q_and_seq_lens():
+    from cp_attention import quantize_kv
+
+    torch.manual_seed(7)
+    b, hq, hkv, d, t = 3, 32, 8, 128, 40_000
+    q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
+    k8, v8, ks, vs = quantize_kv(torch.randn(b, hkv, t, d, device="cuda"), torch.randn(b, hkv, t, d, device="cuda"))
+    seq_lens = torch.full((b,), t, dtype=torch.int32, device="cuda")
+    call = lambda: flash_decode(q, k8, v8, seq_lens, k_scale=ks, v_scale=vs, return_lse=True)  # noqa: E731
+    g, out = _capture(call)
+    kd, vd = k8.double() * float(ks), v8.double() * float(vs)
+    for step in range(3):
+        q.copy_(torch.randn_like(q) * (1 + 10 * step))
+        seq_lens.copy_(torch.randint(0, t + 1, (b,), device="cuda"))
+        seq_lens[step] = 0
+        g.replay()
+        eager = call()
+        torch.testing.assert_close(out.o, eager.o, atol=0, rtol=0)
+        torch.testing.assert_close(out.lse, eager.lse, atol=0, rtol=0)
+        ref = attention(q.double(), kd, vd, seq_lens)
+        assert_state_matches(out, ref, torch.bfloat16)

@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-from cp_attention.heuristics import (FOUR_PER_SM, FP8_TABLE_LOOP, FP8_TWO_WARPS, REFERENCE_SMS, WIDE_FP8,
+from cp_attention.heuristics import (FOUR_PER_SM, FP8_ONE_WARP, FP8_ONE_WARP_LONG, FP8_TABLE_LOOP, FP8_TWO_WARPS, REFERENCE_SMS, WIDE_FP8,
                                       WIDE_FP8_TABLE_LOOP, WIDE_HEADS, WIDE_PAGES, DecodeConfig, DecodePlan,
                                       PrefixConfig, decode_config, decode_plan, num_sms, num_splits, prefix_config, prefix_num_splits,
-                                      prefix_plan)
+                                      one_warp_fp8, one_warp_plan, prefix_plan)
 
 
 def test_fa2_split_table():
@@ -202,3 +202,29 @@ def test_prefix_policy():
     assert prefix_config(256, torch.bfloat16, 512).block_m == 64
     plan = prefix_plan(128, 4, 8, 1, 32768, 128, torch.bfloat16, 132)
     assert (plan.n_tiles, plan.num_splits, plan.tiles_per_split) == (4, 4, 128)
+
+
+def test_one_warp_fp8_domain_and_plan(monkeypatch):
+    """Note [One-warp FP8 tiles]: only CUDA devices of compute capability 9 run the Gluon kernel (never the
+    CPU or the interpreter), for dense FP8 caches of head dim 128 and more than 512 positions read by at most
+    16 query rows; its plan is one wave of eight one-warp programs per SM."""
+    e4m3 = torch.float8_e4m3fn
+    assert not one_warp_fp8(torch.device("cpu"), e4m3, 128, 4, 131072, True)
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr("cp_attention.heuristics._SM90", {cuda: True})
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert one_warp_fp8(cuda, e4m3, 128, 4, 131072, True)
+    assert one_warp_fp8(cuda, torch.float8_e5m2, 128, 16, 513, True)
+    for args in [(torch.bfloat16, 128, 4, 131072, True), (e4m3, 256, 4, 131072, True), (e4m3, 64, 4, 131072, True),
+                 (e4m3, 128, 17, 131072, True), (e4m3, 128, 4, 512, True), (e4m3, 128, 4, 131072, False)]:
+        assert not one_warp_fp8(cuda, *args), args
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not one_warp_fp8(cuda, e4m3, 128, 4, 131072, True)
+    long_tiles = {(1, 131072): (131, FP8_ONE_WARP), (1, 1 << 20): (132, FP8_ONE_WARP_LONG),
+                  (16, 32768): (8, FP8_ONE_WARP), (64, 8192): (2, FP8_ONE_WARP), (4, 1 << 20): (33, FP8_ONE_WARP_LONG)}
+    for (b, t), (splits, config) in long_tiles.items():
+        plan = one_warp_plan(b, 8, t, 132)
+        assert (plan.config, plan.num_splits, plan.streams) == (config, splits, 1), plan
+        assert plan.num_splits * plan.tiles_per_split * config.block_n >= t
+        assert (plan.tiles_per_split * config.block_n > 4096) == (config == FP8_ONE_WARP_LONG)
+    assert one_warp_plan(1, 8, 1 << 20, 132, splits=7)[:3] == (FP8_ONE_WARP_LONG, 7, 4682)

@@ -1,0 +1,287 @@
+"""The FP8 split-KV kernel of sm_90 in Gluon: one warp a program, its K/V tiles reaching the tensor cores
+without a layout change through shared memory.
+
+Note [One-warp FP8 tiles]
+-------------------------
+The Triton split kernel (``split_kv._split_kv_kernel``) runs an FP8 tile through ``tl.dot``, which gets
+its operands in the layouts the ``mma`` wants: K via ``ldmatrix`` from shared memory, V (the reduction
+runs over keys, and sm_90 has no transposing 8-bit ``ldmatrix``) via single-byte shared loads; the warps
+of a program share a tile, so its row max and sums cross warps through shared memory and ``p`` changes
+layout through it. That loop issues ~35 warp instructions per key at head dim 128 and is bound by each
+warp's chain of dependent steps: 0.57-0.62x of the bf16 time, where the bytes alone would give 0.5x
+(benchmarks/NOTES.md, rounds ten to eighteen). This kernel is the same computation written with explicit
+layouts (Gluon), one warp a program, with what Triton's ``tl.dot`` cannot express:
+
+* **Head-dim permutations instead of layout changes.** ``q . k`` sums over the head dim, so any
+  permutation of it applied to both ``q`` and ``k`` leaves the scores unchanged. With logical dim
+  ``kk = j0 + 2 t + 8 j1 + 16 s`` (``t`` the lane's place in its quad, ``s`` the ``mma`` step) read from
+  byte ``j0 + 2 j1 + 4 s + 32 t`` of a key, lane ``(g, t)`` of the ``m16n8k16`` operand layout owns bytes
+  ``32 t .. 32 t + 31`` of key ``g``: two 16-byte shared loads, each 32-bit word one step's operand pair
+  after two ``cvt`` (no byte shuffles). ``p @ v`` writes output column ``n = g + 8 i`` from value byte
+  ``16 g + i``, so lane ``(g, t)`` reads bytes ``16 g .. 16 g + 15`` of keys ``2t, 2t+1, 2t+8, 2t+9``
+  (16-byte loads; one ``PRMT`` per two value pairs interleaves two keys), and the output is stored through
+  the inverse permutation. The tiles are loaded in these register layouts (``DistributedLinearLayout``) and
+  reshaped into the operand layouts: the conversion is a renaming of registers, no shared memory.
+* **``p`` stays in registers.** The scores' accumulator layout is the next ``mma``'s operand layout for
+  16-bit ``p`` (as in FlashAttention-2), and with one warp a program every row reduction stays inside the
+  warp (two shuffles), with no barrier in the loop beyond the ``cp.async`` ring's.
+* **Eight programs per SM** of one warp each, one wave (a ring of three K/V tiles in shared memory filled
+  by ``cp.async``, 16 keys a tile, 32 for splits of more than 4096 positions:
+  :func:`cp_attention.heuristics.one_warp_plan`); 168-227 registers, 12 or 24 KB.
+* **The running max moves lazily:** only when a row's max rises by more than 2^8 (``LAZY_RESCALE``) is the
+  state rescaled (a branch around 80 instructions); otherwise the weights are taken against the old max
+  and stay below 2^8. The state is the same; only the reference of the sums differs.
+
+The loop executes 340 instructions per 16-key tile of a warp, 590 per 32-key tile (21 and 18 a key;
+Triton 3.6, sm_90; the Triton FP8 loop ~35). The state algebra is ``ops/_state.py``'s
+(:func:`~cp_attention.ops._state.running_max`, :func:`~cp_attention.ops._state.finalize`; level 2 is
+``split_kv._combine_kernel``); the numerics are those of the Triton kernel (Note [Attention states inside
+kernels]: fp16 query scaled by a power of two per row, fp16 products, ``o`` normalised by the sum of the
+weights rounded to fp16, the lse from the sum of the weights), with the additions in another order. Its
+arguments are ``_split_kv_kernel``'s, so the launch path is shared; it runs the part of that kernel's
+domain that the plan gives it (:func:`cp_attention.heuristics.one_warp_fp8`): a dense FP8 cache of head dim
+128, query tiles of at most 16 rows, causal drafts, ``seq_lens``, scalar or per-head scales, exported or
+direct output; no pages, windows, softcap, row limits or sinks.
+
+Gluon kernels have no interpreter path: on the CPU the tests compile this kernel for sm_90
+(``tests/test_aot.py``) and check the plan's choice; on the GPU they check it against the float64 oracle
+(``tests/test_gpu.py``).
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+from ._state import LN2, finalize, running_max, score_scales
+
+# Triton 3.6's names of the cp.async copy and the CTA barrier; later versions call them async_load and
+# barrier (same arguments)
+_cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+HEAD_DIM_1W = gl.constexpr(128)  # the one head dim of this kernel's permutations
+ROWS_1W = gl.constexpr(16)  # query rows per tile: one m16n8k16 row block
+# The running max moves (and the state is rescaled) only when a row's max rises by more than this many
+# powers of two; otherwise the weights are taken against the old max, at most 2^LAZY_RESCALE (fp16 holds them)
+LAZY_RESCALE = gl.constexpr(8.0)
+
+
+@gluon.jit
+def _gdc(op: gl.constexpr):
+    """``griddepcontrol.wait`` or ``.launch_dependents`` (Note [Programmatic dependent launch])."""
+    gl.inline_asm_elementwise(f"griddepcontrol.{op}; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _issue_tile(s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt, t, t_end, stage, BLOCK_N: gl.constexpr):
+    """Start the copies of keys ``[t, t + BLOCK_N)`` (those below ``t_end``; the rest zero-filled) into ring
+    ``stage`` (one commit group)."""
+    m = (t + o_ck < t_end)[:, None]
+    _cp_async(s_k.index(stage), p_k + t.to(gl.int64) * stride_kt, mask=m)
+    _cp_async(s_v.index(stage), p_v + t.to(gl.int64) * stride_vt, mask=m)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _attend_tile(q, b_k, b_v, qk_scale, m_i, l_i, r_i, acc, key0, row_hi, o_key, MASKED: gl.constexpr,
+                 BLOCK_N: gl.constexpr):
+    """Fold one K/V tile (FP8, as loaded in the permuted register layouts) into the running state ``(m_i,
+    l_i, r_i, acc)`` (``l`` sums the weights, ``r`` the weights rounded to fp16, as ``_state.fold_weights``);
+    ``MASKED``: keys ``key0 + o_key >= row_hi`` of a row are left out."""
+    D: gl.constexpr = HEAD_DIM_1W
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    # K [BLOCK_N, byte (t1 t0 s2 s1 s0 j1 j0)] -> [kk (s2 s1 s0 j1 t1 t0 j0), key]: the operand of q . k
+    k = gl.reshape(b_k.to(gl.float16), [BLOCK_N, 2, 2, 2, 2, 2, 2, 2])
+    k = gl.convert_layout(gl.reshape(gl.permute(k, (3, 4, 5, 6, 1, 2, 7, 0)), [D, BLOCK_N]), b_l)
+    s = mma_v2(q, k, gl.zeros([ROWS_1W, BLOCK_N], gl.float32, layout=mma)) * qk_scale
+    if MASKED:
+        s = gl.where(key0 + o_key[None, :] < row_hi[:, None], s, float("-inf"))
+    m_new, m_ref, alpha = running_max(m_i, gl.max(s, 1), 1.0)
+    if gl.max((m_new > m_i + LAZY_RESCALE).to(gl.int32), 0):  # a row's max rose by more than 2^LAZY_RESCALE
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha
+        r_i = r_i * alpha
+        m_i = m_new
+    m_ref = gl.where(m_i == float("-inf"), 0.0, m_i)
+    p = gl.exp2(s - m_ref[:, None])
+    l_i = l_i + gl.sum(p, 1)
+    p = p.to(gl.float16)
+    r_i = r_i + gl.sum(p.to(gl.float32), 1)
+    # V [BLOCK_N, byte (g2 g1 g0 i3 i2 i1 i0)] -> [key, n (i3 i2 i1 i0 g2 g1 g0)]: the operand of p @ v
+    v = gl.reshape(b_v.to(gl.float16), [BLOCK_N, 2, 2, 2, 2, 2, 2, 2])
+    v = gl.convert_layout(gl.reshape(gl.permute(v, (0, 4, 5, 6, 7, 1, 2, 3)), [BLOCK_N, D]), b_l)
+    acc = mma_v2(gl.convert_layout(p, a_l), v, acc)
+    return m_i, l_i, r_i, acc
+
+
+@gluon.jit
+def _split_kv_fp8_kernel(
+    Q, K, V, SEQ_LENS, BLOCK_TABLE, ROW_LIMITS, K_SCALE, V_SCALE, SINKS, O, LSE, WORK,
+    sm_scale, k_scale, v_scale, cap, T_MAX, TILES_PER_SPLIT, HKV, NUM_PAGES, WINDOW,
+    stride_qb, stride_qq, stride_qh,
+    stride_kb, stride_kh, stride_kt,
+    stride_vb, stride_vh, stride_vt,
+    stride_ob, stride_oq, stride_oh,
+    stride_lb, stride_lq, stride_lh,
+    stride_sl, stride_btb, stride_btp, stride_rlb, stride_rlq, stride_rlx, stride_ksh, stride_vsh, stride_sink,
+    GROUP_SIZE: gl.constexpr, Q_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
+    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+    HAS_SEQ_LENS: gl.constexpr, IS_PAGED: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_ROW_LIMITS: gl.constexpr,
+    HAS_WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, HAS_SINKS: gl.constexpr, KV_SCALE: gl.constexpr,
+    EXPORT: gl.constexpr, INPUT_PRECISION: gl.constexpr, UPCAST: gl.constexpr, SPLIT_PAGES: gl.constexpr,
+    PDL: gl.constexpr, STREAMS: gl.constexpr, PAGE_GATHER: gl.constexpr, PAGE_TILES: gl.constexpr,
+    PAIR_V: gl.constexpr, NUM_STAGES: gl.constexpr,
+):
+    """Split-KV decode over a dense FP8 cache, one warp a program (Note [One-warp FP8 tiles]); arguments
+    and outputs as ``split_kv._split_kv_kernel`` (Note [Split-KV decode]), plus ``NUM_STAGES`` K/V tiles in
+    the ``cp.async`` ring."""
+    gl.static_assert(HEAD_DIM == HEAD_DIM_1W and BLOCK_D == HEAD_DIM_1W and BLOCK_H == ROWS_1W)
+    gl.static_assert(Q_ROWS * GROUP_SIZE <= ROWS_1W and (BLOCK_N == 16 or BLOCK_N == 32) and KV_SCALE != 0)
+    gl.static_assert(not (IS_PAGED or HAS_ROW_LIMITS or HAS_WINDOW or SOFTCAP or HAS_SINKS))
+    gl.static_assert(STREAMS == 1 and not PAIR_V and not PAGE_TILES)
+    if PDL:  # Note [Programmatic dependent launch]
+        _gdc("wait")
+    D: gl.constexpr = HEAD_DIM_1W
+    M: gl.constexpr = ROWS_1W
+    ROWS: gl.constexpr = Q_ROWS * GROUP_SIZE
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    row_l: gl.constexpr = gl.SliceLayout(1, mma)
+    col_l: gl.constexpr = gl.SliceLayout(0, mma)
+    # the tiles as loaded from shared memory: lane (g, t) holds bytes 32t .. 32t+31 of key g (K), bytes
+    # 16g .. 16g+15 of keys 2t, 2t+1, 2t+8, 2t+9 (V)
+    # (keys 16 .. 31 of a 32-key tile: one more register bit)
+    if BLOCK_N == 32:
+        k_l: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [8, 0], [16, 0]],
+            lane_bases=[[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]], warp_bases=[], block_bases=[], shape=[BLOCK_N, D])
+        v_l: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [1, 0], [8, 0], [16, 0]],
+            lane_bases=[[2, 0], [4, 0], [0, 16], [0, 32], [0, 64]], warp_bases=[], block_bases=[], shape=[BLOCK_N, D])
+    else:
+        k_l: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [8, 0]],
+            lane_bases=[[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]], warp_bases=[], block_bases=[], shape=[BLOCK_N, D])
+        v_l: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [1, 0], [8, 0]],
+            lane_bases=[[2, 0], [4, 0], [0, 16], [0, 32], [0, 64]], warp_bases=[], block_bases=[], shape=[BLOCK_N, D])
+    cp_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8], warps_per_cta=[1, 1],
+                                          order=[1, 0])
+    # 16-byte chunks swizzled by the key: both register layouts read without bank conflicts
+    sh_l: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8, order=[1, 0])
+
+    i_p = gl.program_id(0)
+    i_s = gl.program_id(1)
+    i_b64 = (i_p // HKV).to(gl.int64)
+    i_h64 = (i_p % HKV).to(gl.int64)
+    if HAS_SEQ_LENS:
+        seq_len = gl.minimum(gl.maximum(gl.load(SEQ_LENS + i_b64 * stride_sl).to(gl.int32), 0), T_MAX)
+    else:
+        seq_len = T_MAX
+    t_start = i_s * (TILES_PER_SPLIT * BLOCK_N)
+    t_end = gl.minimum(t_start + TILES_PER_SPLIT * BLOCK_N, seq_len)
+
+    o_ck = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, cp_l))
+    o_cd = gl.arange(0, D, layout=gl.SliceLayout(0, cp_l))
+    p_k = K + i_b64 * stride_kb + i_h64 * stride_kh + o_ck[:, None].to(gl.int64) * stride_kt + o_cd[None, :]
+    p_v = V + i_b64 * stride_vb + i_h64 * stride_vh + o_ck[:, None].to(gl.int64) * stride_vt + o_cd[None, :]
+    s_k = gl.allocate_shared_memory(K.dtype.element_ty, [NUM_STAGES, BLOCK_N, D], sh_l)
+    s_v = gl.allocate_shared_memory(V.dtype.element_ty, [NUM_STAGES, BLOCK_N, D], sh_l)
+    o_key = gl.arange(0, BLOCK_N, layout=col_l)
+
+    # the first tiles' copies go out before the query's load (independent)
+    for i in gl.static_range(NUM_STAGES - 1):
+        _issue_tile(s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt, t_start + i * BLOCK_N, t_end, i, BLOCK_N)
+
+    # query rows (token r // G, head h G + r % G), head dim in the keys' byte order
+    o_qr = gl.arange(0, M, layout=gl.SliceLayout(1, a_l))
+    o_qk = gl.arange(0, D, layout=gl.SliceLayout(0, a_l))
+    q_byte = (o_qk & 1) + 2 * ((o_qk >> 3) & 1) + 4 * (o_qk >> 4) + 32 * ((o_qk >> 1) & 3)
+    q_tok = (o_qr // GROUP_SIZE).to(gl.int64)
+    q_head = i_h64 * GROUP_SIZE + o_qr % GROUP_SIZE
+    q = gl.load(Q + i_b64 * stride_qb + (q_tok * stride_qq + q_head * stride_qh)[:, None] + q_byte[None, :],
+                mask=(o_qr < ROWS)[:, None], other=0.0).to(gl.float32)
+    qk_scale, vs = score_scales(sm_scale, cap, K_SCALE, V_SCALE, k_scale, v_scale, i_h64, stride_ksh, stride_vsh,
+                                SOFTCAP, KV_SCALE)
+    # Note [Attention states inside kernels], FP8: q * 2^(13 - e) in fp16, 2^(e - 13) into the score scale
+    e = (gl.max(gl.abs(q), 1).to(gl.int32, bitcast=True) >> 23) - 127
+    e = gl.minimum(gl.maximum(e, -100), 127)
+    q = (q * (((140 - e) << 23).to(gl.float32, bitcast=True))[:, None]).to(gl.float16)
+    row_scale = gl.convert_layout(qk_scale * ((114 + e) << 23).to(gl.float32, bitcast=True), row_l)
+
+    o_r = gl.arange(0, M, layout=row_l)
+    if IS_CAUSAL:  # row i sees the positions < seq_len - Q_ROWS + 1 + i // G
+        row_hi = gl.minimum(seq_len - Q_ROWS + 1 + o_r // GROUP_SIZE, t_end)
+    else:
+        row_hi = gl.zeros([M], gl.int32, layout=row_l) + t_end
+    t_full = t_start + (gl.maximum(gl.min(row_hi, 0) - t_start, 0) // BLOCK_N) * BLOCK_N  # unmasked tiles end
+
+    m_i = gl.full([M], float("-inf"), gl.float32, layout=row_l)
+    l_i = gl.zeros([M], gl.float32, layout=row_l)
+    r_i = gl.zeros([M], gl.float32, layout=row_l)
+    acc = gl.zeros([M, D], gl.float32, layout=mma)
+    n_full = (t_full - t_start) // BLOCK_N
+    n_tiles = gl.cdiv(t_end - t_start, BLOCK_N)
+    for it in range(0, n_full):
+        _barrier()  # every lane is done with the stage the next copy overwrites
+        _issue_tile(s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt, t_start + (it + NUM_STAGES - 1) * BLOCK_N, t_end,
+                    (it + NUM_STAGES - 1) % NUM_STAGES, BLOCK_N)
+        async_copy.wait_group(NUM_STAGES - 1)
+        _barrier()
+        m_i, l_i, r_i, acc = _attend_tile(q, s_k.index(it % NUM_STAGES).load(k_l),
+                                          s_v.index(it % NUM_STAGES).load(v_l), row_scale[:, None], m_i, l_i, r_i,
+                                          acc, 0, row_hi, o_key, False, BLOCK_N)
+    for it in range(n_full, n_tiles):  # the tiles that reach a row's last key
+        _barrier()
+        _issue_tile(s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt, t_start + (it + NUM_STAGES - 1) * BLOCK_N, t_end,
+                    (it + NUM_STAGES - 1) % NUM_STAGES, BLOCK_N)
+        async_copy.wait_group(NUM_STAGES - 1)
+        _barrier()
+        m_i, l_i, r_i, acc = _attend_tile(q, s_k.index(it % NUM_STAGES).load(k_l),
+                                          s_v.index(it % NUM_STAGES).load(v_l), row_scale[:, None], m_i, l_i, r_i,
+                                          acc, t_start + it * BLOCK_N, row_hi, o_key, True, BLOCK_N)
+    async_copy.wait_group(0)
+    if PDL:  # the K/V reads are done
+        _gdc("launch_dependents")
+
+    # the state (o normalised by the rounded weights, lse from the weights; (0, -inf) where no key was seen)
+    o, _ = finalize(m_i, r_i, acc, LN2)
+    _, lse = finalize(m_i, l_i, acc, LN2)
+    o = o * vs
+    o_n = gl.arange(0, D, layout=col_l)
+    o_byte = 16 * (o_n % 8) + o_n // 8  # output column n holds value dim 16 (n % 8) + n // 8
+    m_row = o_r < ROWS
+    if EXPORT:  # slot i_s: o [P * ROWS, D] then lse [P * ROWS] (Note [Split-KV decode])
+        n_rows = gl.num_programs(0).to(gl.int64) * ROWS
+        p_slot = WORK + i_s.to(gl.int64) * n_rows * (D + 1)
+        row0 = i_p.to(gl.int64) * ROWS
+        gl.store(p_slot + (row0 + o_r)[:, None] * D + o_byte[None, :], o, mask=m_row[:, None])
+        gl.store(p_slot + n_rows * D + row0 + o_r, lse, mask=m_row)
+    else:
+        o_tok = (o_r // GROUP_SIZE).to(gl.int64)
+        o_head = i_h64 * GROUP_SIZE + o_r % GROUP_SIZE
+        p_o = O + i_b64 * stride_ob + (o_tok * stride_oq + o_head * stride_oh)[:, None] + o_byte[None, :]
+        gl.store(p_o, o.to(O.dtype.element_ty), mask=m_row[:, None])
+        gl.store(LSE + i_b64 * stride_lb + o_tok * stride_lq + o_head * stride_lh, lse, mask=m_row)
+
+
+def _aot_spec(group, q_rows, export, long=False, **kw):
+    from ..heuristics import FP8_ONE_WARP, FP8_ONE_WARP_LONG
+    from . import split_kv
+
+    config = FP8_ONE_WARP_LONG if long else FP8_ONE_WARP
+    spec = split_kv._aot_spec(group, q_rows, export, config=config, **kw)
+    constexprs = dict(spec["constexprs"], NUM_STAGES=config.num_stages)
+    return dict(spec, kernel=_split_kv_fp8_kernel, constexprs=constexprs)
+
+
+# sm_90 compiles checked on the CPU by tests/test_aot.py: GQA 4 split (e4m3, scalar scales), four causal rows of
+# GQA 4 written directly (e5m2, per-head scales), GQA 16 split (e4m3, per-head), three causal rows of GQA 5 split;
+# in 32-key tiles, GQA 4 split (e4m3) and four causal rows of GQA 4 (e5m2, per-head scales)
+AOT_SPECS = [_aot_spec(4, 1, True, kv="fp8e4nv", kv_scale=1),
+             _aot_spec(4, 4, False, causal=True, kv="fp8e5", kv_scale=2),
+             _aot_spec(16, 1, True, kv="fp8e4nv", kv_scale=2),
+             _aot_spec(5, 3, True, causal=True, kv="fp8e4nv", kv_scale=1),
+             _aot_spec(4, 1, True, kv="fp8e4nv", kv_scale=1, long=True),
+             _aot_spec(4, 4, True, causal=True, kv="fp8e5", kv_scale=2, long=True)]
