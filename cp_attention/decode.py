@@ -222,9 +222,8 @@ def _prepare(q, k, v, seq_lens, block_table, row_limits, sinks, scales, num_spli
     if plan.config in (FP8_ONE_WARP, FP8_ONE_WARP_LONG):
         if not one_warp_fp8(q.device, k.dtype, d, rows, geo.t_max, plain):
             raise ValueError("plan: the one-warp FP8 configs run a dense FP8 cache of head dim 128 and more than 512 "
-                             "positions, "
-                             "at most 16 query rows per KV head, no pages, window, softcap, sinks or split_size, "
-                             "on an sm_90 GPU")
+                             "positions read by at most 16 query rows per KV head, without pages, window, softcap, "
+                             "sinks or split_size, on an sm_90 GPU")
         from .ops.split_kv_fp8 import _split_kv_fp8_kernel
         kernel, constexprs = _split_kv_fp8_kernel, dict(constexprs, NUM_STAGES=plan.config.num_stages)
     grid = (b * geo.hkv * tiling.n_rt, plan.num_splits)

@@ -206,8 +206,9 @@ def table_pages(plan: DecodePlan, page_size: int) -> int:
 MANY_WAVES = 3
 # 64-key tiles in two stages, four programs per SM (registers capped at 128): many sequences × KV heads
 FOUR_PER_SM = DecodeConfig(64, 4, 2, programs=4, maxnreg=128)  # 65536 registers / (4 programs x 128 threads)
-# FP8 caches, dense or paged: 64-key tiles, two warps, three stages, four programs per SM (23-49 KB of shared
-# memory, 241-255 registers on sm_90 without spills for query tiles of up to 32 rows; 64 rows spill)
+# FP8 caches, paged, and dense outside the one-warp kernel's domain (:func:`one_warp_fp8`): 64-key tiles, two
+# warps, three stages, four programs per SM (23-49 KB of shared memory, 241-255 registers on sm_90 without
+# spills for query tiles of up to 32 rows; 64 rows spill)
 FP8_TWO_WARPS = DecodeConfig(64, 2, 3, programs=4)
 # The one-warp FP8 kernel of sm_90 (ops/split_kv_fp8.py, :func:`one_warp_fp8`): 16-key tiles, one warp, a ring
 # of three stages, eight programs per SM (168-192 registers, 12 KB of shared memory; H200, e4m3, 32/8/128,
@@ -254,7 +255,9 @@ def decode_config(head_dim: int, dtype: torch.dtype, t_max: int | None = None, p
 
     An FP8 cache of more than 512 positions, head dim 65-128, read by query tiles of at most 32 rows
     (``rows``: query rows per KV head, Q x GQA) takes :data:`FP8_TWO_WARPS`, dense or paged (through the
-    register table, ``table``, or one table entry per key). The FP8 loop is bound by the latency of each
+    register table, ``table``, or one table entry per key). (On sm_90, ``flash_decode`` gives the dense
+    caches of head dim 128 and at most 16 rows to the one-warp kernel instead: :func:`one_warp_fp8`,
+    :func:`one_warp_plan`.) The FP8 loop is bound by the latency of each
     tile's chain (the conversions' shared-memory round trips, cross-warp reductions), not by bytes or
     issue: two warps a program halve the cross-warp work and four programs per SM overlap the chains.
     H200, graph µs, e4m3, dense: B=1 T=128k 77.3 against 86.4 with 128 x 4 x 3, B=64 T=8k 301.5 against
