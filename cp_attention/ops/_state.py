@@ -147,6 +147,22 @@ def running_max(m_i, m_x, SCALE: tl.constexpr):
 
 
 @triton.jit
+def lazy_running_max(m_i, m_x, l_i, r_i, acc, THRESHOLD: tl.constexpr):
+    """:func:`running_max` for base-2 scores whose reference max moves only when a row's max rises by more
+    than ``THRESHOLD`` (then the sums ``l_i``, ``r_i`` and ``acc`` are rescaled; a branch, taken on few tiles):
+    otherwise the weights ``2^(s - m_ref)`` are taken against the old max and stay below ``2^THRESHOLD``. The
+    state is the same; only the reference of its sums differs. Returns ``(m_i, m_ref, l_i, r_i, acc)``."""
+    m_new, m_ref, alpha = running_max(m_i, m_x, 1.0)
+    if tl.max((m_new > m_i + THRESHOLD).to(tl.int32), 0):
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha
+        r_i = r_i * alpha
+        m_i = m_new
+    m_ref = tl.where(m_i == float("-inf"), 0.0, m_i)
+    return m_i, m_ref, l_i, r_i, acc
+
+
+@triton.jit
 def seq_length(SEQ_LENS, stride_sl, i_seq, T_MAX, HAS_SEQ_LENS: tl.constexpr):
     """The length of sequence ``i_seq``: read from ``SEQ_LENS + i_seq * stride_sl`` and clamped to ``[0,
     T_MAX]``, or ``T_MAX``."""

@@ -28,13 +28,14 @@ layouts (Gluon), one warp a program, with what Triton's ``tl.dot`` cannot expres
 * **Eight programs per SM** of one warp each, one wave (a ring of three K/V tiles in shared memory filled
   by ``cp.async``, 16 keys a tile, 32 for splits of more than 4096 positions:
   :func:`cp_attention.heuristics.one_warp_plan`); 168-227 registers, 12 or 24 KB.
-* **The running max moves lazily:** only when a row's max rises by more than 2^8 (``LAZY_RESCALE``) is the
-  state rescaled (a branch around 80 instructions); otherwise the weights are taken against the old max
-  and stay below 2^8. The state is the same; only the reference of the sums differs.
+* **The running max moves lazily** (:func:`~cp_attention.ops._state.lazy_running_max`): only when a row's max
+  rises by more than 2^8 (``LAZY_RESCALE``) is the state rescaled (a branch around 80 instructions); otherwise
+  the weights are taken against the old max and stay below 2^8. The state is the same; only the reference of
+  the sums differs.
 
 The loop executes 340 instructions per 16-key tile of a warp, 590 per 32-key tile (21 and 18 a key;
 Triton 3.6, sm_90; the Triton FP8 loop ~35). The state algebra is ``ops/_state.py``'s
-(:func:`~cp_attention.ops._state.running_max`, :func:`~cp_attention.ops._state.finalize`; level 2 is
+(:func:`~cp_attention.ops._state.lazy_running_max`, :func:`~cp_attention.ops._state.finalize`; level 2 is
 ``split_kv._combine_kernel``); the numerics are those of the Triton kernel (Note [Attention states inside
 kernels]: fp16 query scaled by a power of two per row, fp16 products, ``o`` normalised by the sum of the
 weights rounded to fp16, the lse from the sum of the weights), with the additions in another order. Its
@@ -50,8 +51,9 @@ Gluon kernels have no interpreter path: on the CPU the tests compile this kernel
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.runtime.jit import constexpr_function
 
-from ._state import LN2, finalize, running_max, score_scales
+from ._state import LN2, finalize, lazy_running_max, score_scales, split_range
 
 # Triton 3.6's names of the cp.async copy and the CTA barrier; later versions call them async_load and
 # barrier (same arguments)
@@ -69,6 +71,19 @@ LAZY_RESCALE = gl.constexpr(8.0)
 def _gdc(op: gl.constexpr):
     """``griddepcontrol.wait`` or ``.launch_dependents`` (Note [Programmatic dependent launch])."""
     gl.inline_asm_elementwise(f"griddepcontrol.{op}; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@constexpr_function
+def _tile_layout(block_n, values):
+    """The register layout of a ``[block_n, 128]`` FP8 tile as read from shared memory: lane ``(g, t)``
+    holds bytes ``32 t .. 32 t + 31`` of key ``g`` (K), or bytes ``16 g .. 16 g + 15`` of keys ``2t, 2t+1,
+    2t+8, 2t+9`` (V, ``values``); keys 16 .. 31 of a 32-key tile take one more register bit."""
+    more = [[16, 0]] if block_n == 32 else []
+    if values:
+        return gl.DistributedLinearLayout([[0, 1], [0, 2], [0, 4], [0, 8], [1, 0], [8, 0]] + more,
+                                          [[2, 0], [4, 0], [0, 16], [0, 32], [0, 64]], [], [], [block_n, 128])
+    return gl.DistributedLinearLayout([[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [8, 0]] + more,
+                                      [[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]], [], [], [block_n, 128])
 
 
 @gluon.jit
@@ -97,13 +112,7 @@ def _attend_tile(q, b_k, b_v, qk_scale, m_i, l_i, r_i, acc, key0, row_hi, o_key,
     s = mma_v2(q, k, gl.zeros([ROWS_1W, BLOCK_N], gl.float32, layout=mma)) * qk_scale
     if MASKED:
         s = gl.where(key0 + o_key[None, :] < row_hi[:, None], s, float("-inf"))
-    m_new, m_ref, alpha = running_max(m_i, gl.max(s, 1), 1.0)
-    if gl.max((m_new > m_i + LAZY_RESCALE).to(gl.int32), 0):  # a row's max rose by more than 2^LAZY_RESCALE
-        acc = acc * alpha[:, None]
-        l_i = l_i * alpha
-        r_i = r_i * alpha
-        m_i = m_new
-    m_ref = gl.where(m_i == float("-inf"), 0.0, m_i)
+    m_i, m_ref, l_i, r_i, acc = lazy_running_max(m_i, gl.max(s, 1), l_i, r_i, acc, LAZY_RESCALE)
     p = gl.exp2(s - m_ref[:, None])
     l_i = l_i + gl.sum(p, 1)
     p = p.to(gl.float16)
@@ -113,6 +122,21 @@ def _attend_tile(q, b_k, b_v, qk_scale, m_i, l_i, r_i, acc, key0, row_hi, o_key,
     v = gl.convert_layout(gl.reshape(gl.permute(v, (0, 4, 5, 6, 7, 1, 2, 3)), [BLOCK_N, D]), b_l)
     acc = mma_v2(gl.convert_layout(p, a_l), v, acc)
     return m_i, l_i, r_i, acc
+
+
+@gluon.jit
+def _next_tile(q, qk_scale, s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt, t_start, t_end, it, row_hi, o_key, m_i,
+               l_i, r_i, acc, MASKED: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+               k_l: gl.constexpr, v_l: gl.constexpr):
+    """Tile ``it`` of the split: start the copy of tile ``it + NUM_STAGES - 1`` into the ring stage that tile
+    ``it - 1`` held, wait for tile ``it``'s and fold it in (:func:`_attend_tile`)."""
+    _barrier()  # every lane is done with the stage the next copy overwrites
+    _issue_tile(s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt, t_start + (it + NUM_STAGES - 1) * BLOCK_N, t_end,
+                (it + NUM_STAGES - 1) % NUM_STAGES, BLOCK_N)
+    async_copy.wait_group(NUM_STAGES - 1)
+    _barrier()
+    return _attend_tile(q, s_k.index(it % NUM_STAGES).load(k_l), s_v.index(it % NUM_STAGES).load(v_l), qk_scale,
+                        m_i, l_i, r_i, acc, t_start + it * BLOCK_N, row_hi, o_key, MASKED, BLOCK_N)
 
 
 @gluon.jit
@@ -149,23 +173,8 @@ def _split_kv_fp8_kernel(
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     row_l: gl.constexpr = gl.SliceLayout(1, mma)
     col_l: gl.constexpr = gl.SliceLayout(0, mma)
-    # the tiles as loaded from shared memory: lane (g, t) holds bytes 32t .. 32t+31 of key g (K), bytes
-    # 16g .. 16g+15 of keys 2t, 2t+1, 2t+8, 2t+9 (V)
-    # (keys 16 .. 31 of a 32-key tile: one more register bit)
-    if BLOCK_N == 32:
-        k_l: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [8, 0], [16, 0]],
-            lane_bases=[[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]], warp_bases=[], block_bases=[], shape=[BLOCK_N, D])
-        v_l: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [1, 0], [8, 0], [16, 0]],
-            lane_bases=[[2, 0], [4, 0], [0, 16], [0, 32], [0, 64]], warp_bases=[], block_bases=[], shape=[BLOCK_N, D])
-    else:
-        k_l: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [8, 0]],
-            lane_bases=[[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]], warp_bases=[], block_bases=[], shape=[BLOCK_N, D])
-        v_l: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [1, 0], [8, 0]],
-            lane_bases=[[2, 0], [4, 0], [0, 16], [0, 32], [0, 64]], warp_bases=[], block_bases=[], shape=[BLOCK_N, D])
+    k_l: gl.constexpr = _tile_layout(BLOCK_N, False)
+    v_l: gl.constexpr = _tile_layout(BLOCK_N, True)
     cp_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8], warps_per_cta=[1, 1],
                                           order=[1, 0])
     # 16-byte chunks swizzled by the key: both register layouts read without bank conflicts
@@ -175,12 +184,8 @@ def _split_kv_fp8_kernel(
     i_s = gl.program_id(1)
     i_b64 = (i_p // HKV).to(gl.int64)
     i_h64 = (i_p % HKV).to(gl.int64)
-    if HAS_SEQ_LENS:
-        seq_len = gl.minimum(gl.maximum(gl.load(SEQ_LENS + i_b64 * stride_sl).to(gl.int32), 0), T_MAX)
-    else:
-        seq_len = T_MAX
-    t_start = i_s * (TILES_PER_SPLIT * BLOCK_N)
-    t_end = gl.minimum(t_start + TILES_PER_SPLIT * BLOCK_N, seq_len)
+    seq_len, _, t_start, t_end = split_range(SEQ_LENS, stride_sl, i_b64, i_s, T_MAX, TILES_PER_SPLIT, BLOCK_N,
+                                             HAS_SEQ_LENS, 0)
 
     o_ck = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, cp_l))
     o_cd = gl.arange(0, D, layout=gl.SliceLayout(0, cp_l))
@@ -194,7 +199,9 @@ def _split_kv_fp8_kernel(
     for i in gl.static_range(NUM_STAGES - 1):
         _issue_tile(s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt, t_start + i * BLOCK_N, t_end, i, BLOCK_N)
 
-    # query rows (token r // G, head h G + r % G), head dim in the keys' byte order
+    # the query rows (token r // G, head h G + r % G, as split_kv.row_heads), head dim in the keys' byte order,
+    # scaled into fp16 as _state.fp16_query does (Note [Attention states inside kernels], FP8); written out here
+    # because the helpers' forms compile to other code for these layouts (not re-measured on the GPU)
     o_qr = gl.arange(0, M, layout=gl.SliceLayout(1, a_l))
     o_qk = gl.arange(0, D, layout=gl.SliceLayout(0, a_l))
     q_byte = (o_qk & 1) + 2 * ((o_qk >> 3) & 1) + 4 * (o_qk >> 4) + 32 * ((o_qk >> 1) & 3)
@@ -204,11 +211,10 @@ def _split_kv_fp8_kernel(
                 mask=(o_qr < ROWS)[:, None], other=0.0).to(gl.float32)
     qk_scale, vs = score_scales(sm_scale, cap, K_SCALE, V_SCALE, k_scale, v_scale, i_h64, stride_ksh, stride_vsh,
                                 SOFTCAP, KV_SCALE)
-    # Note [Attention states inside kernels], FP8: q * 2^(13 - e) in fp16, 2^(e - 13) into the score scale
     e = (gl.max(gl.abs(q), 1).to(gl.int32, bitcast=True) >> 23) - 127
     e = gl.minimum(gl.maximum(e, -100), 127)
     q = (q * (((140 - e) << 23).to(gl.float32, bitcast=True))[:, None]).to(gl.float16)
-    row_scale = gl.convert_layout(qk_scale * ((114 + e) << 23).to(gl.float32, bitcast=True), row_l)
+    qk_scale = gl.convert_layout(qk_scale * ((114 + e) << 23).to(gl.float32, bitcast=True), row_l)[:, None]
 
     o_r = gl.arange(0, M, layout=row_l)
     if IS_CAUSAL:  # row i sees the positions < seq_len - Q_ROWS + 1 + i // G
@@ -224,23 +230,11 @@ def _split_kv_fp8_kernel(
     n_full = (t_full - t_start) // BLOCK_N
     n_tiles = gl.cdiv(t_end - t_start, BLOCK_N)
     for it in range(0, n_full):
-        _barrier()  # every lane is done with the stage the next copy overwrites
-        _issue_tile(s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt, t_start + (it + NUM_STAGES - 1) * BLOCK_N, t_end,
-                    (it + NUM_STAGES - 1) % NUM_STAGES, BLOCK_N)
-        async_copy.wait_group(NUM_STAGES - 1)
-        _barrier()
-        m_i, l_i, r_i, acc = _attend_tile(q, s_k.index(it % NUM_STAGES).load(k_l),
-                                          s_v.index(it % NUM_STAGES).load(v_l), row_scale[:, None], m_i, l_i, r_i,
-                                          acc, 0, row_hi, o_key, False, BLOCK_N)
+        m_i, l_i, r_i, acc = _next_tile(q, qk_scale, s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt, t_start, t_end,
+                                        it, row_hi, o_key, m_i, l_i, r_i, acc, False, BLOCK_N, NUM_STAGES, k_l, v_l)
     for it in range(n_full, n_tiles):  # the tiles that reach a row's last key
-        _barrier()
-        _issue_tile(s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt, t_start + (it + NUM_STAGES - 1) * BLOCK_N, t_end,
-                    (it + NUM_STAGES - 1) % NUM_STAGES, BLOCK_N)
-        async_copy.wait_group(NUM_STAGES - 1)
-        _barrier()
-        m_i, l_i, r_i, acc = _attend_tile(q, s_k.index(it % NUM_STAGES).load(k_l),
-                                          s_v.index(it % NUM_STAGES).load(v_l), row_scale[:, None], m_i, l_i, r_i,
-                                          acc, t_start + it * BLOCK_N, row_hi, o_key, True, BLOCK_N)
+        m_i, l_i, r_i, acc = _next_tile(q, qk_scale, s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt, t_start, t_end,
+                                        it, row_hi, o_key, m_i, l_i, r_i, acc, True, BLOCK_N, NUM_STAGES, k_l, v_l)
     async_copy.wait_group(0)
     if PDL:  # the K/V reads are done
         _gdc("launch_dependents")
