@@ -195,8 +195,7 @@ def _prepare(q, k, v, seq_lens, block_table, row_limits, sinks, scales, num_spli
     multi = q.dim() == 4
     rows = geo.q_rows * (hq // geo.hkv)
     # the domain of the one-warp FP8 kernel beyond dtype and shapes (Note [One-warp FP8 tiles])
-    plain = (not geo.page_size and window_left is None and not softcap and sinks is None and row_limits is None
-             and split_size is None)
+    plain = window_left is None and not softcap and sinks is None and row_limits is None and split_size is None
     if split_size is not None:
         plan = deterministic_plan(geo.t_max, d, q.dtype, split_size)
     elif plan is None:
@@ -204,8 +203,8 @@ def _prepare(q, k, v, seq_lens, block_table, row_limits, sinks, scales, num_spli
         # splits tile that span from its first position, not the whole cache.
         reach = geo.t_max if window_left is None else min(geo.t_max, window_left + geo.q_rows)
         reach = reach if span is None else min(reach, span)
-        if one_warp_fp8(q.device, k.dtype, d, rows, reach, plain):
-            plan = one_warp_plan(b, geo.hkv, reach, num_sms(q.device), num_splits)
+        if one_warp_fp8(q.device, k.dtype, d, rows, reach, plain, geo.page_size):
+            plan = one_warp_plan(b, geo.hkv, reach, num_sms(q.device), num_splits, geo.page_size)
         else:
             plan = decode_plan(b, geo.hkv, reach, d, q.dtype, num_sms(q.device), num_splits, kv_dtype=k.dtype,
                                page_size=geo.page_size, aligned=window_left is None and row_limits is None, rows=rows)
@@ -220,9 +219,12 @@ def _prepare(q, k, v, seq_lens, block_table, row_limits, sinks, scales, num_spli
         window=window_left is not None and row_limits is None, softcap=softcap, sinks=sinks is not None, pdl=pdl)
     kernel = _split_kv_kernel
     if plan.config in (FP8_ONE_WARP, FP8_ONE_WARP_LONG):
-        if not one_warp_fp8(q.device, k.dtype, d, rows, geo.t_max, plain):
-            raise ValueError("plan: the one-warp FP8 configs run a dense FP8 cache of head dim 128 and more than 512 "
-                             "positions read by at most 16 query rows per KV head, without pages, window, softcap, "
+        if not (one_warp_fp8(q.device, k.dtype, d, rows, geo.t_max, plain, geo.page_size)
+                and plan.page_tiles == bool(geo.page_size) and geo.page_size % plan.config.block_n == 0
+                and not plan.split_pages and plan.streams == 1):
+            raise ValueError("plan: the one-warp FP8 configs run an FP8 cache of head dim 128 and more than 512 "
+                             "positions read by at most 16 query rows per KV head, dense or in pages of a multiple "
+                             "of the tile's keys read one table entry a tile (page_tiles), without window, softcap, "
                              "sinks or split_size, on an sm_90 GPU")
         from .ops.split_kv_fp8 import _split_kv_fp8_kernel
         kernel, constexprs = _split_kv_fp8_kernel, dict(constexprs, NUM_STAGES=plan.config.num_stages)

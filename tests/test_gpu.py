@@ -15,7 +15,8 @@ from cp_attention import AttentionState, CascadeLevel, cascade_decode, flash_dec
 from cp_attention.distributed import CPKVCache, cp_flash_decode, merge_across_ranks, set_exchange, shard_kv
 from cp_attention.exchange import exchange_for
 from cp_attention.heuristics import (FP8_ONE_WARP, FP8_ONE_WARP_LONG, FP8_TABLE_LOOP, FP8_TWO_WARPS, WIDE_FP8, WIDE_FP8_TABLE_LOOP,
-                                      WIDE_HEADS, WIDE_PAGES, decode_plan, num_sms, one_warp_fp8, table_pages)
+                                      WIDE_HEADS, WIDE_PAGES, decode_plan, num_sms, one_warp_fp8, one_warp_plan,
+                                      table_pages)
 from cp_attention.ops import symm_merge
 from cp_attention.reference import attention
 
@@ -452,24 +453,29 @@ def test_multi_row_queries_against_float64(q_rows):
     assert torch.isneginf(got.lse[~finite]).all()
 
 
-def shuffled_nhd_pools(k, v, page):
+def shuffled_nhd_pools(k, v, page, layout="NHD"):
     """Dense ``k``, ``v [B, Hkv, T, D]`` (``T`` a multiple of ``page``) as NHD page pools ``[B * T / page,
-    page, Hkv, D]`` in a random page order, and the block table ``[B, T / page]`` int32."""
+    page, Hkv, D]`` (or HND pools ``[B * T / page, Hkv, page, D]``) in a random page order, and the block
+    table ``[B, T / page]`` int32."""
     b, hkv, t, d = k.shape
     perm = torch.randperm(b * t // page, device=k.device)
     pools = []
     for x in (k, v):
-        pool = torch.empty(b * t // page, page, hkv, d, device=x.device, dtype=x.dtype)
-        pool[perm] = x.transpose(1, 2).reshape(-1, page, hkv, d)
+        pages = x.reshape(b, hkv, t // page, page, d).transpose(1, 2)  # [B, T / page, Hkv, page, D]
+        pool = torch.empty(b * t // page, *((page, hkv) if layout == "NHD" else (hkv, page)), d, device=x.device,
+                           dtype=x.dtype)
+        pool[perm] = (pages.transpose(2, 3) if layout == "NHD" else pages).reshape(-1, *pool.shape[1:])
         pools.append(pool)
     return *pools, perm.view(b, -1).int()
 
 
-# FP8 cache forms of the policy's configs: dense (two warps, key streams), head dim 256 (WIDE_FP8, dense and in
+# FP8 cache forms of the configs: dense (two warps, key streams), head dim 256 (WIDE_FP8, dense and in
 # pages of 16 through the register table; pages of 64, one table entry loaded a tile), NHD pools of shuffled
 # pages of one position (one table entry per key: FP8_TABLE_LOOP), of 64 (the table in registers, each tile's
-# page gathered) and of 256 (one entry loaded a tile)
+# page gathered) and of 256 (one entry loaded a tile); the one-warp kernel's (the policy's on sm_90 at head dim
+# 128) dense and on pages of 16 and 256
 FP8_FORMS = {"dense": (32, 128, 0, FP8_TWO_WARPS), "dense1w": (32, 128, 0, FP8_ONE_WARP),
+             "page16_1w": (32, 128, 16, FP8_ONE_WARP), "page256_1w": (32, 128, 256, FP8_ONE_WARP),
              "d256": (16, 256, 0, WIDE_FP8),
              "d256page16": (16, 256, 16, WIDE_FP8), "d256page64": (16, 256, 64, WIDE_FP8_TABLE_LOOP),
              "page1": (32, 128, 1, FP8_TABLE_LOOP), "page64": (32, 128, 64, FP8_TWO_WARPS),
@@ -489,11 +495,15 @@ def test_fp8_long_cache_against_the_dequantised_oracle(dtype8, form):
     v = torch.randn(b, hkv, t, d, device="cuda", dtype=torch.bfloat16)
     sl = torch.tensor([t, 9_999], device="cuda", dtype=torch.int32)
     k8, v8, ks, vs = quantize_kv(k, v, dtype8, per_head=True)
-    plan = decode_plan(b, hkv, t, d, q.dtype, num_sms(q.device), kv_dtype=dtype8, page_size=page, rows=hq // hkv,
-                       config=FP8_ONE_WARP if config == FP8_ONE_WARP else None)
-    assert plan.config == config and plan.page_tiles == (page >= 2 * config.block_n), plan
-    # the policy runs the one-warp kernel on a dense cache of this GPU, the Triton kernels elsewhere
-    assert one_warp_fp8(q.device, dtype8, d, hq // hkv, t, not page) == (page == 0 and d == 128)
+    if config == FP8_ONE_WARP:
+        plan = one_warp_plan(b, hkv, t, num_sms(q.device), page_size=page)
+        assert plan.config == config and plan.page_tiles == (page > 0), plan
+    else:
+        plan = decode_plan(b, hkv, t, d, q.dtype, num_sms(q.device), kv_dtype=dtype8, page_size=page,
+                           rows=hq // hkv)
+        assert plan.config == config and plan.page_tiles == (page >= 2 * config.block_n), plan
+    # the policy runs the one-warp kernel on this GPU at head dim 128, dense or on pages of a multiple of 16
+    assert one_warp_fp8(q.device, dtype8, d, hq // hkv, t, True, page) == (page % 16 == 0 and d == 128)
     kc, vc, kw = k8, v8, {}
     if page:
         kc, vc, table = shuffled_nhd_pools(k8, v8, page)
@@ -567,30 +577,35 @@ def test_deterministic_splits_are_batch_invariant_on_gpu():
 
 
 ONE_WARP_CASES = [
-    # (fp8 dtype, per-head scale tensors (else python floats), layout, Q rows, Hq, Hkv, num_splits)
-    (torch.float8_e4m3fn, False, "HND", 1, 32, 8, None),
-    (torch.float8_e5m2, True, "NHD", 1, 40, 8, 3),  # GQA 5
-    (torch.float8_e4m3fn, True, "HND", 4, 16, 4, None),  # 16 causal rows
-    (torch.float8_e5m2, False, "HND", 2, 8, 1, 1),  # one split: the output written by the split kernel
-    (torch.float8_e4m3fn, True, "NHD", 1, 16, 1, None),  # GQA 16
-    (torch.float8_e4m3fn, False, "NHD", 3, 20, 4, 7),  # 15 causal rows of GQA 5
-    (torch.float8_e5m2, True, "HND", 4, 16, 4, "long"),  # 32-key tiles (FP8_ONE_WARP_LONG), two splits
-    (torch.float8_e4m3fn, False, "NHD", 1, 32, 8, "long"),
+    # (fp8 dtype, per-head scale tensors (else python floats), layout, Q rows, Hq, Hkv, num_splits, page size)
+    (torch.float8_e4m3fn, False, "HND", 1, 32, 8, None, 0),
+    (torch.float8_e5m2, True, "NHD", 1, 40, 8, 3, 0),  # GQA 5
+    (torch.float8_e4m3fn, True, "HND", 4, 16, 4, None, 0),  # 16 causal rows
+    (torch.float8_e5m2, False, "HND", 2, 8, 1, 1, 0),  # one split: the output written by the split kernel
+    (torch.float8_e4m3fn, True, "NHD", 1, 16, 1, None, 0),  # GQA 16
+    (torch.float8_e4m3fn, False, "NHD", 3, 20, 4, 7, 0),  # 15 causal rows of GQA 5
+    (torch.float8_e5m2, True, "HND", 4, 16, 4, "long", 0),  # 32-key tiles (FP8_ONE_WARP_LONG), two splits
+    (torch.float8_e4m3fn, False, "NHD", 1, 32, 8, "long", 0),
+    # page pools in a random page order, one table entry read a tile (entries past each length out of the pool)
+    (torch.float8_e4m3fn, True, "NHD", 1, 32, 8, None, 16),
+    (torch.float8_e5m2, False, "HND", 4, 16, 4, 5, 32),  # 16 causal rows
+    (torch.float8_e4m3fn, False, "NHD", 2, 16, 2, "long", 64),  # 32-key tiles on pages of 64
+    (torch.float8_e5m2, True, "HND", 1, 40, 8, 1, 256),  # one split, GQA 5
 ]
 
 
-@pytest.mark.parametrize("dtype8,per_head,layout,q_rows,hq,hkv,splits", ONE_WARP_CASES,
-                         ids=[f"{str(c[0])[6:]}-{'head' if c[1] else 'float'}-{c[2]}-Q{c[3]}-{c[4]}x{c[5]}-S{c[6]}"
+@pytest.mark.parametrize("dtype8,per_head,layout,q_rows,hq,hkv,splits,page", ONE_WARP_CASES,
+                         ids=[f"{str(c[0])[6:]}-{'head' if c[1] else 'float'}-{c[2]}-Q{c[3]}-{c[4]}x{c[5]}-S{c[6]}-P{c[7]}"
                               for c in ONE_WARP_CASES])
-def test_one_warp_fp8_kernel_against_the_dequantised_oracle(dtype8, per_head, layout, q_rows, hq, hkv, splits):
+def test_one_warp_fp8_kernel_against_the_dequantised_oracle(dtype8, per_head, layout, q_rows, hq, hkv, splits, page):
     """Note [One-warp FP8 tiles]: the Gluon kernel (no interpreter path: this is its numerical test) against
-    the float64 oracle on the dequantised cache, ragged lengths (empty, shorter than the drafts, mid-tile,
-    one tile past a split), NaN past each length and in the output buffers before the call; and against the
-    Triton two-warp kernel on the same call."""
+    the float64 oracle on the dequantised cache, dense or in shuffled page pools, ragged lengths (empty,
+    shorter than the drafts, mid-tile, one tile past a split), NaN past each length and in the output buffers
+    before the call; and against the Triton two-warp kernel on the same call."""
     from cp_attention import quantize_kv
 
-    torch.manual_seed(q_rows * 100 + hq)
-    b, t, d = 4, 5003, 128
+    torch.manual_seed(q_rows * 100 + hq + page)
+    b, t, d = 4, 5120 if page else 5003, 128
     q = torch.randn(b, q_rows, hq, d, device="cuda", dtype=torch.bfloat16) * 2
     k = torch.randn(b, hkv, t, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(b, hkv, t, d, device="cuda", dtype=torch.bfloat16)
@@ -603,22 +618,33 @@ def test_one_warp_fp8_kernel_against_the_dequantised_oracle(dtype8, per_head, la
     vd = v8.double() * vs.double().view(1, -1, 1, 1) if per_head else v8.double() * float(vs)
     ref = attention(q.double(), kd.nan_to_num(), vd.nan_to_num(), sl)
     scales = (ks, vs) if per_head else (float(ks), float(vs))
-    kc, vc = (k8, v8) if layout == "HND" else (k8.transpose(1, 2).contiguous(), v8.transpose(1, 2).contiguous())
-    assert one_warp_fp8(q.device, dtype8, d, q_rows * hq // hkv, t, True)
+    kw = {}
+    if page:
+        kc, vc, table = shuffled_nhd_pools(k8, v8, page, layout)
+        pages_used = (sl.long() + page - 1) // page
+        table[torch.arange(t // page, device="cuda")[None, :] >= pages_used[:, None]] = 1 << 30
+        kw["block_table"] = table
+    else:
+        kc, vc = (k8, v8) if layout == "HND" else (k8.transpose(1, 2).contiguous(), v8.transpose(1, 2).contiguous())
+    assert one_warp_fp8(q.device, dtype8, d, q_rows * hq // hkv, t, True, page)
     out = (torch.full_like(q, float("nan")), torch.full(q.shape[:-1], float("nan"), device="cuda"))
-    kw = dict(num_splits=splits)
     if splits == "long":
         splits = 2
-        kw = dict(plan=decode_plan(b, hkv, t, d, q.dtype, num_sms(q.device), splits, config=FP8_ONE_WARP_LONG))
+        plan = decode_plan(b, hkv, t, d, q.dtype, num_sms(q.device), splits, config=FP8_ONE_WARP_LONG)
+        kw["plan"] = plan._replace(page_tiles=page > 0)
+    else:
+        kw["num_splits"] = splits
     got = flash_decode(q, kc, vc, sl, kv_layout=layout, k_scale=scales[0], v_scale=scales[1], out=out,
                        return_lse=True, **kw)
     assert got.o.data_ptr() == out[0].data_ptr()
     assert_state_matches(got, ref, torch.bfloat16)
     seen = torch.isfinite(ref.lse)  # the lse sums the unrounded weights: fp32-accurate (2 keys to 5003)
     torch.testing.assert_close(got.lse.double()[seen], ref.lse[seen], atol=2e-5, rtol=0)
+    kw.pop("num_splits", None)
     two = decode_plan(b, hkv, t, d, q.dtype, num_sms(q.device), splits, config=FP8_TWO_WARPS)
-    other = flash_decode(q, kc, vc, sl, kv_layout=layout, k_scale=scales[0], v_scale=scales[1], plan=two,
-                         return_lse=True)
+    two = two._replace(streams=1) if page else two  # key streams read dense caches only
+    other = flash_decode(q, kc, vc, sl, kv_layout=layout, k_scale=scales[0], v_scale=scales[1],
+                         return_lse=True, **dict(kw, plan=two))
     torch.testing.assert_close(got.o, other.o, atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(got.lse, other.lse, atol=1e-4, rtol=1e-5)
 

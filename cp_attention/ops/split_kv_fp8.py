@@ -40,9 +40,10 @@ Triton 3.6, sm_90; the Triton FP8 loop ~35). The state algebra is ``ops/_state.p
 kernels]: fp16 query scaled by a power of two per row, fp16 products, ``o`` normalised by the sum of the
 weights rounded to fp16, the lse from the sum of the weights), with the additions in another order. Its
 arguments are ``_split_kv_kernel``'s, so the launch path is shared; it runs the part of that kernel's
-domain that the plan gives it (:func:`cp_attention.heuristics.one_warp_fp8`): a dense FP8 cache of head dim
+domain that the plan gives it (:func:`cp_attention.heuristics.one_warp_fp8`): an FP8 cache of head dim
 128, query tiles of at most 16 rows, causal drafts, ``seq_lens``, scalar or per-head scales, exported or
-direct output; no pages, windows, softcap, row limits or sinks.
+direct output; dense caches or page pools whose pages hold whole tiles (one block-table entry read a tile
+ahead of its copy); no windows, softcap, row limits or sinks.
 
 Gluon kernels have no interpreter path: on the CPU the tests compile this kernel for sm_90
 (``tests/test_aot.py``) and check the plan's choice; on the GPU they check it against the float64 oracle
@@ -53,7 +54,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.runtime.jit import constexpr_function
 
-from ._state import LN2, finalize, lazy_running_max, score_scales, split_range
+from ._state import LN2, finalize, kv_bases, lazy_running_max, score_scales, split_range, table_entries
 
 # Triton 3.6's names of the cp.async copy and the CTA barrier; later versions call them async_load and
 # barrier (same arguments)
@@ -87,12 +88,31 @@ def _tile_layout(block_n, values):
 
 
 @gluon.jit
-def _issue_tile(s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt, t, t_end, stage, BLOCK_N: gl.constexpr):
+def _page_of(p_bt, stride_btp, t, t_end, num_pages, PAGE_SIZE: gl.constexpr, IS_PAGED: gl.constexpr):
+    """The pool page that holds the tile at position ``t`` of a paged cache (its block-table entry, clamped
+    into the pool; 0 past ``t_end``), or 0 for a dense cache."""
+    if IS_PAGED:
+        return table_entries(p_bt, stride_btp, t // PAGE_SIZE, t < t_end, num_pages).to(gl.int64)
+    else:
+        return 0
+
+
+@gluon.jit
+def _issue_tile(s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt, stride_kp, stride_vp, t, page, t_end, stage,
+                BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, IS_PAGED: gl.constexpr):
     """Start the copies of keys ``[t, t + BLOCK_N)`` (those below ``t_end``; the rest zero-filled) into ring
-    ``stage`` (one commit group)."""
+    ``stage`` (one commit group); a paged cache's tile lies within ``page`` (``PAGE_SIZE`` a multiple of
+    ``BLOCK_N``)."""
     m = (t + o_ck < t_end)[:, None]
-    _cp_async(s_k.index(stage), p_k + t.to(gl.int64) * stride_kt, mask=m)
-    _cp_async(s_v.index(stage), p_v + t.to(gl.int64) * stride_vt, mask=m)
+    if IS_PAGED:
+        slot = (t % PAGE_SIZE).to(gl.int64)
+        o_k = page * stride_kp + slot * stride_kt
+        o_v = page * stride_vp + slot * stride_vt
+    else:
+        o_k = t.to(gl.int64) * stride_kt
+        o_v = t.to(gl.int64) * stride_vt
+    _cp_async(s_k.index(stage), p_k + o_k, mask=m)
+    _cp_async(s_v.index(stage), p_v + o_v, mask=m)
     async_copy.commit_group()
 
 
@@ -125,18 +145,25 @@ def _attend_tile(q, b_k, b_v, qk_scale, m_i, l_i, r_i, acc, key0, row_hi, o_key,
 
 
 @gluon.jit
-def _next_tile(q, qk_scale, s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt, t_start, t_end, it, row_hi, o_key, m_i,
-               l_i, r_i, acc, MASKED: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+def _next_tile(q, qk_scale, s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt, stride_kp, stride_vp, p_bt, stride_btp,
+               num_pages, page, t_start, t_end, it, row_hi, o_key, m_i, l_i, r_i, acc, MASKED: gl.constexpr,
+               BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr, IS_PAGED: gl.constexpr,
                k_l: gl.constexpr, v_l: gl.constexpr):
-    """Tile ``it`` of the split: start the copy of tile ``it + NUM_STAGES - 1`` into the ring stage that tile
-    ``it - 1`` held, wait for tile ``it``'s and fold it in (:func:`_attend_tile`)."""
+    """Tile ``it`` of the split: start the copy of tile ``it + NUM_STAGES - 1`` (in pool page ``page`` of a
+    paged cache) into the ring stage that tile ``it - 1`` held, read the block-table entry of the tile after
+    it (returned: its latency hides behind this tile), wait for tile ``it``'s copy and fold it in
+    (:func:`_attend_tile`)."""
+    t_next = t_start + (it + NUM_STAGES - 1) * BLOCK_N
     _barrier()  # every lane is done with the stage the next copy overwrites
-    _issue_tile(s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt, t_start + (it + NUM_STAGES - 1) * BLOCK_N, t_end,
-                (it + NUM_STAGES - 1) % NUM_STAGES, BLOCK_N)
+    _issue_tile(s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt, stride_kp, stride_vp, t_next, page, t_end,
+                (it + NUM_STAGES - 1) % NUM_STAGES, BLOCK_N, PAGE_SIZE, IS_PAGED)
+    page = _page_of(p_bt, stride_btp, t_next + BLOCK_N, t_end, num_pages, PAGE_SIZE, IS_PAGED)
     async_copy.wait_group(NUM_STAGES - 1)
     _barrier()
-    return _attend_tile(q, s_k.index(it % NUM_STAGES).load(k_l), s_v.index(it % NUM_STAGES).load(v_l), qk_scale,
-                        m_i, l_i, r_i, acc, t_start + it * BLOCK_N, row_hi, o_key, MASKED, BLOCK_N)
+    m_i, l_i, r_i, acc = _attend_tile(q, s_k.index(it % NUM_STAGES).load(k_l), s_v.index(it % NUM_STAGES).load(v_l),
+                                      qk_scale, m_i, l_i, r_i, acc, t_start + it * BLOCK_N, row_hi, o_key, MASKED,
+                                      BLOCK_N)
+    return m_i, l_i, r_i, acc, page
 
 
 @gluon.jit
@@ -162,8 +189,9 @@ def _split_kv_fp8_kernel(
     the ``cp.async`` ring."""
     gl.static_assert(HEAD_DIM == HEAD_DIM_1W and BLOCK_D == HEAD_DIM_1W and BLOCK_H == ROWS_1W)
     gl.static_assert(Q_ROWS * GROUP_SIZE <= ROWS_1W and (BLOCK_N == 16 or BLOCK_N == 32) and KV_SCALE != 0)
-    gl.static_assert(not (IS_PAGED or HAS_ROW_LIMITS or HAS_WINDOW or SOFTCAP or HAS_SINKS))
-    gl.static_assert(STREAMS == 1 and not PAIR_V and not PAGE_TILES)
+    gl.static_assert(not (HAS_ROW_LIMITS or HAS_WINDOW or SOFTCAP or HAS_SINKS))
+    gl.static_assert(STREAMS == 1 and not PAIR_V and SPLIT_PAGES == 0 and PAGE_TILES == IS_PAGED)
+    gl.static_assert(not IS_PAGED or PAGE_SIZE % BLOCK_N == 0)
     if PDL:  # Note [Programmatic dependent launch]
         _gdc("wait")
     D: gl.constexpr = HEAD_DIM_1W
@@ -189,15 +217,24 @@ def _split_kv_fp8_kernel(
 
     o_ck = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, cp_l))
     o_cd = gl.arange(0, D, layout=gl.SliceLayout(0, cp_l))
-    p_k = K + i_b64 * stride_kb + i_h64 * stride_kh + o_ck[:, None].to(gl.int64) * stride_kt + o_cd[None, :]
-    p_v = V + i_b64 * stride_vb + i_h64 * stride_vh + o_ck[:, None].to(gl.int64) * stride_vt + o_cd[None, :]
+    p_k, p_v = kv_bases(K, V, i_b64, i_h64, stride_kb, stride_kh, stride_vb, stride_vh, IS_PAGED)
+    p_k = p_k + o_ck[:, None].to(gl.int64) * stride_kt + o_cd[None, :]
+    p_v = p_v + o_ck[:, None].to(gl.int64) * stride_vt + o_cd[None, :]
+    if IS_PAGED:  # a tile's page (PAGE_TILES): its block-table entry, read a tile ahead of its copy
+        p_bt = BLOCK_TABLE + i_b64 * stride_btb
+    else:
+        p_bt = BLOCK_TABLE
     s_k = gl.allocate_shared_memory(K.dtype.element_ty, [NUM_STAGES, BLOCK_N, D], sh_l)
     s_v = gl.allocate_shared_memory(V.dtype.element_ty, [NUM_STAGES, BLOCK_N, D], sh_l)
     o_key = gl.arange(0, BLOCK_N, layout=col_l)
 
     # the first tiles' copies go out before the query's load (independent)
     for i in gl.static_range(NUM_STAGES - 1):
-        _issue_tile(s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt, t_start + i * BLOCK_N, t_end, i, BLOCK_N)
+        t_i = t_start + i * BLOCK_N
+        _issue_tile(s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt, stride_kb, stride_vb, t_i,
+                    _page_of(p_bt, stride_btp, t_i, t_end, NUM_PAGES, PAGE_SIZE, IS_PAGED), t_end, i, BLOCK_N,
+                    PAGE_SIZE, IS_PAGED)
+    page = _page_of(p_bt, stride_btp, t_start + (NUM_STAGES - 1) * BLOCK_N, t_end, NUM_PAGES, PAGE_SIZE, IS_PAGED)
 
     # the query rows (token r // G, head h G + r % G, as split_kv.row_heads), head dim in the keys' byte order,
     # scaled into fp16 as _state.fp16_query does (Note [Attention states inside kernels], FP8); written out here
@@ -230,11 +267,15 @@ def _split_kv_fp8_kernel(
     n_full = (t_full - t_start) // BLOCK_N
     n_tiles = gl.cdiv(t_end - t_start, BLOCK_N)
     for it in range(0, n_full):
-        m_i, l_i, r_i, acc = _next_tile(q, qk_scale, s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt, t_start, t_end,
-                                        it, row_hi, o_key, m_i, l_i, r_i, acc, False, BLOCK_N, NUM_STAGES, k_l, v_l)
+        m_i, l_i, r_i, acc, page = _next_tile(q, qk_scale, s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt, stride_kb,
+                                              stride_vb, p_bt, stride_btp, NUM_PAGES, page, t_start, t_end, it, row_hi,
+                                              o_key, m_i, l_i, r_i, acc, False, BLOCK_N, NUM_STAGES, PAGE_SIZE,
+                                              IS_PAGED, k_l, v_l)
     for it in range(n_full, n_tiles):  # the tiles that reach a row's last key
-        m_i, l_i, r_i, acc = _next_tile(q, qk_scale, s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt, t_start, t_end,
-                                        it, row_hi, o_key, m_i, l_i, r_i, acc, True, BLOCK_N, NUM_STAGES, k_l, v_l)
+        m_i, l_i, r_i, acc, page = _next_tile(q, qk_scale, s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt, stride_kb,
+                                              stride_vb, p_bt, stride_btp, NUM_PAGES, page, t_start, t_end, it, row_hi,
+                                              o_key, m_i, l_i, r_i, acc, True, BLOCK_N, NUM_STAGES, PAGE_SIZE,
+                                              IS_PAGED, k_l, v_l)
     async_copy.wait_group(0)
     if PDL:  # the K/V reads are done
         _gdc("launch_dependents")
@@ -270,10 +311,13 @@ def _aot_spec(group, q_rows, export, long=False, **kw):
     return dict(spec, kernel=_split_kv_fp8_kernel, constexprs=constexprs)
 
 
-# sm_90 compiles checked on the CPU by tests/test_aot.py: GQA 4 split (e4m3, scalar scales), four causal rows of
-# GQA 4 written directly (e5m2, per-head scales), GQA 16 split (e4m3, per-head), three causal rows of GQA 5 split;
-# in 32-key tiles, GQA 4 split (e4m3) and four causal rows of GQA 4 (e5m2, per-head scales)
+# sm_90 compiles checked on the CPU by tests/test_aot.py: GQA 4 split (e4m3, scalar scales; dense and on pages of 16),
+# four causal rows of GQA 4 split on pages of 64 in 32-key tiles (e5m2, per-head scales), four causal rows of GQA 4
+# written directly (e5m2, per-head scales), GQA 16 split (e4m3, per-head), three causal rows of GQA 5 split; in
+# 32-key tiles, GQA 4 split (e4m3) and four causal rows of GQA 4 (e5m2, per-head scales)
 AOT_SPECS = [_aot_spec(4, 1, True, kv="fp8e4nv", kv_scale=1),
+             _aot_spec(4, 1, True, kv="fp8e4nv", kv_scale=1, page_size=16, page_tiles=True),
+             _aot_spec(4, 4, True, causal=True, kv="fp8e5", kv_scale=2, long=True, page_size=64, page_tiles=True),
              _aot_spec(4, 4, False, causal=True, kv="fp8e5", kv_scale=2),
              _aot_spec(16, 1, True, kv="fp8e4nv", kv_scale=2),
              _aot_spec(5, 3, True, causal=True, kv="fp8e4nv", kv_scale=1),
