@@ -220,12 +220,13 @@ def _prepare(q, k, v, seq_lens, block_table, row_limits, sinks, scales, num_spli
     kernel = _split_kv_kernel
     if plan.config in (FP8_ONE_WARP, FP8_ONE_WARP_LONG):
         if not (one_warp_fp8(q.device, k.dtype, d, rows, geo.t_max, plain, geo.page_size)
-                and plan.page_tiles == bool(geo.page_size) and geo.page_size % plan.config.block_n == 0
+                and plan.page_tiles == (geo.page_size > 0 and geo.page_size % plan.config.block_n == 0)
+                and (plan.page_tiles or not geo.page_size or plan.config == FP8_ONE_WARP)
                 and not plan.split_pages and plan.streams == 1):
             raise ValueError("plan: the one-warp FP8 configs run an FP8 cache of head dim 128 and more than 512 "
-                             "positions read by at most 16 query rows per KV head, dense or in pages of a multiple "
-                             "of the tile's keys read one table entry a tile (page_tiles), without window, softcap, "
-                             "sinks or split_size, on an sm_90 GPU")
+                             "positions read by at most 16 query rows per KV head, dense or paged (page_tiles where "
+                             "a page holds whole tiles, else 16-key tiles with an entry a key), without window, "
+                             "softcap, sinks or split_size, on an sm_90 GPU")
         from .ops.split_kv_fp8 import _split_kv_fp8_kernel
         kernel, constexprs = _split_kv_fp8_kernel, dict(constexprs, NUM_STAGES=plan.config.num_stages)
     grid = (b * geo.hkv * tiling.n_rt, plan.num_splits)

@@ -93,18 +93,17 @@ def one_warp_fp8(device: torch.device, kv_dtype: torch.dtype, head_dim: int, row
                  plain: bool, page_size: int = 0) -> bool:
     """Whether a decode runs the one-warp FP8 kernel (``ops/split_kv_fp8.py``, Note [One-warp FP8 tiles]),
     planned with :func:`one_warp_plan`: an FP8 cache of head dim 128 and more than 512 positions, dense or in
-    pages of a multiple of 16 positions (``page_size``; 0: dense), query tiles of at most 16 rows (query rows
-    x GQA group), on a CUDA device of compute capability 9.x (the sm_90 kernel it was written and measured
-    for; a Gluon kernel has no interpreter path), unless the environment sets ``CP_ATTENTION_ONE_WARP=0``
-    (read once per device). ``plain``: no window, softcap, sinks, row limits, deterministic splits or given
-    plan (the rest of the split kernel's domain, which the Triton kernel keeps, as it keeps pages of less
-    than 16 or of another size).
+    pages of any size (``page_size``; 0: dense), query tiles of at most 16 rows (query rows x GQA group), on
+    a CUDA device of compute capability 9.x (the sm_90 kernel it was written and measured for; a Gluon kernel
+    has no interpreter path), unless the environment sets ``CP_ATTENTION_ONE_WARP=0`` (read once per
+    device). ``plain``: no window, softcap, sinks, row limits, deterministic splits or given plan (the rest of
+    the split kernel's domain, which the Triton kernel keeps).
 
     >>> one_warp_fp8(torch.device("cpu"), torch.float8_e4m3fn, 128, 4, 131072, True)
     False
     """
     if not (plain and device.type == "cuda" and kv_dtype.itemsize == 1 and head_dim == 128 and rows <= 16
-            and t_max > 512 and page_size % FP8_ONE_WARP.block_n == 0) or os.environ.get("TRITON_INTERPRET") == "1":
+            and t_max > 512) or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     use = _SM90.get(device)
     if use is None:
@@ -119,21 +118,23 @@ def one_warp_plan(batch: int, num_kv_heads: int, t_max: int, num_sms: int, split
     """The plan of the one-warp FP8 kernel (:func:`one_warp_fp8`): one wave of :data:`FP8_ONE_WARP`'s eight
     programs per SM (or ``splits``), in :data:`FP8_ONE_WARP_LONG`'s 32-key tiles where a split holds more than
     :data:`LONG_SPLIT_KEYS` positions (and pages, if any, hold whole 32-key tiles). A paged cache
-    (``page_size`` > 0, a multiple of 16) gets the dense plan's splits with one block-table entry read a tile
-    (``page_tiles``): a tile lies within one page.
+    (``page_size`` > 0) gets the dense plan's splits, with one block-table entry read a tile where a page holds
+    whole tiles (``page_tiles``: pages of a multiple of 16), else one a key.
 
     >>> [one_warp_plan(1, 8, t, 132)[:3] for t in (131072, 1 << 20)]  # doctest: +NORMALIZE_WHITESPACE
     [(DecodeConfig(block_n=16, num_warps=1, num_stages=3, programs=8, maxnreg=0), 131, 63),
      (DecodeConfig(block_n=32, num_warps=1, num_stages=3, programs=8, maxnreg=0), 132, 249)]
-    >>> one_warp_plan(1, 8, 1 << 20, 132, page_size=16).config.block_n
-    16
+    >>> [one_warp_plan(1, 8, 1 << 20, 132, page_size=p)[::6] for p in (1, 16, 64)]  # doctest: +NORMALIZE_WHITESPACE
+    [(DecodeConfig(block_n=16, num_warps=1, num_stages=3, programs=8, maxnreg=0), False),
+     (DecodeConfig(block_n=16, num_warps=1, num_stages=3, programs=8, maxnreg=0), True),
+     (DecodeConfig(block_n=32, num_warps=1, num_stages=3, programs=8, maxnreg=0), True)]
     """
     plan = decode_plan(batch, num_kv_heads, t_max, 128, torch.bfloat16, num_sms, splits, FP8_ONE_WARP,
                        torch.float8_e4m3fn)
     if plan.tiles_per_split * FP8_ONE_WARP.block_n > LONG_SPLIT_KEYS and page_size % FP8_ONE_WARP_LONG.block_n == 0:
         plan = decode_plan(batch, num_kv_heads, t_max, 128, torch.bfloat16, num_sms, plan.num_splits,
                            FP8_ONE_WARP_LONG, torch.float8_e4m3fn)
-    return plan._replace(page_tiles=page_size > 0)
+    return plan._replace(page_tiles=page_size > 0 and page_size % plan.config.block_n == 0)
 
 
 # ----------------------------------------------------------------------------------------------------

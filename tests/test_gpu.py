@@ -473,9 +473,10 @@ def shuffled_nhd_pools(k, v, page, layout="NHD"):
 # pages of 16 through the register table; pages of 64, one table entry loaded a tile), NHD pools of shuffled
 # pages of one position (one table entry per key: FP8_TABLE_LOOP), of 64 (the table in registers, each tile's
 # page gathered) and of 256 (one entry loaded a tile); the one-warp kernel's (the policy's on sm_90 at head dim
-# 128) dense and on pages of 16 and 256
+# 128) dense and on pages of 1 (an entry a key), 16 and 256 (an entry a tile)
 FP8_FORMS = {"dense": (32, 128, 0, FP8_TWO_WARPS), "dense1w": (32, 128, 0, FP8_ONE_WARP),
-             "page16_1w": (32, 128, 16, FP8_ONE_WARP), "page256_1w": (32, 128, 256, FP8_ONE_WARP),
+             "page1_1w": (32, 128, 1, FP8_ONE_WARP), "page16_1w": (32, 128, 16, FP8_ONE_WARP),
+             "page256_1w": (32, 128, 256, FP8_ONE_WARP),
              "d256": (16, 256, 0, WIDE_FP8),
              "d256page16": (16, 256, 16, WIDE_FP8), "d256page64": (16, 256, 64, WIDE_FP8_TABLE_LOOP),
              "page1": (32, 128, 1, FP8_TABLE_LOOP), "page64": (32, 128, 64, FP8_TWO_WARPS),
@@ -497,13 +498,13 @@ def test_fp8_long_cache_against_the_dequantised_oracle(dtype8, form):
     k8, v8, ks, vs = quantize_kv(k, v, dtype8, per_head=True)
     if config == FP8_ONE_WARP:
         plan = one_warp_plan(b, hkv, t, num_sms(q.device), page_size=page)
-        assert plan.config == config and plan.page_tiles == (page > 0), plan
+        assert plan.config == config and plan.page_tiles == (page >= config.block_n), plan
     else:
         plan = decode_plan(b, hkv, t, d, q.dtype, num_sms(q.device), kv_dtype=dtype8, page_size=page,
                            rows=hq // hkv)
         assert plan.config == config and plan.page_tiles == (page >= 2 * config.block_n), plan
-    # the policy runs the one-warp kernel on this GPU at head dim 128, dense or on pages of a multiple of 16
-    assert one_warp_fp8(q.device, dtype8, d, hq // hkv, t, True, page) == (page % 16 == 0 and d == 128)
+    # the policy runs the one-warp kernel on this GPU at head dim 128, dense or paged
+    assert one_warp_fp8(q.device, dtype8, d, hq // hkv, t, True, page) == (d == 128)
     kc, vc, kw = k8, v8, {}
     if page:
         kc, vc, table = shuffled_nhd_pools(k8, v8, page)
@@ -591,6 +592,10 @@ ONE_WARP_CASES = [
     (torch.float8_e5m2, False, "HND", 4, 16, 4, 5, 32),  # 16 causal rows
     (torch.float8_e4m3fn, False, "NHD", 2, 16, 2, "long", 64),  # 32-key tiles on pages of 64
     (torch.float8_e5m2, True, "HND", 1, 40, 8, 1, 256),  # one split, GQA 5
+    # pages that do not hold whole tiles: a table entry a key
+    (torch.float8_e4m3fn, False, "NHD", 1, 32, 8, None, 1),
+    (torch.float8_e5m2, True, "HND", 3, 20, 4, 7, 8),  # 15 causal rows of GQA 5
+    (torch.float8_e4m3fn, True, "NHD", 2, 16, 4, 2, 24),
 ]
 
 
@@ -605,7 +610,7 @@ def test_one_warp_fp8_kernel_against_the_dequantised_oracle(dtype8, per_head, la
     from cp_attention import quantize_kv
 
     torch.manual_seed(q_rows * 100 + hq + page)
-    b, t, d = 4, 5120 if page else 5003, 128
+    b, t, d = 4, -(-5003 // max(page, 1)) * max(page, 1), 128
     q = torch.randn(b, q_rows, hq, d, device="cuda", dtype=torch.bfloat16) * 2
     k = torch.randn(b, hkv, t, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(b, hkv, t, d, device="cuda", dtype=torch.bfloat16)

@@ -88,10 +88,14 @@ def _tile_layout(block_n, values):
 
 
 @gluon.jit
-def _page_of(p_bt, stride_btp, t, t_end, num_pages, PAGE_SIZE: gl.constexpr, IS_PAGED: gl.constexpr):
-    """The pool page that holds the tile at position ``t`` of a paged cache (its block-table entry, clamped
-    into the pool; 0 past ``t_end``), or 0 for a dense cache."""
-    if IS_PAGED:
+def _page_of(p_bt, stride_btp, t, o_ck, t_end, num_pages, PAGE_SIZE: gl.constexpr, IS_PAGED: gl.constexpr,
+             KEY_PAGES: gl.constexpr):
+    """The pool pages of the tile at position ``t`` of a paged cache (block-table entries, clamped into the
+    pool; 0 past ``t_end``): the tile's one page, or with ``KEY_PAGES`` (pages that do not hold whole tiles)
+    each key's (``[BLOCK_N]``, in the copies' row layout); 0 for a dense cache."""
+    if KEY_PAGES:
+        return table_entries(p_bt, stride_btp, (t + o_ck) // PAGE_SIZE, t + o_ck < t_end, num_pages).to(gl.int64)
+    elif IS_PAGED:
         return table_entries(p_bt, stride_btp, t // PAGE_SIZE, t < t_end, num_pages).to(gl.int64)
     else:
         return 0
@@ -99,12 +103,17 @@ def _page_of(p_bt, stride_btp, t, t_end, num_pages, PAGE_SIZE: gl.constexpr, IS_
 
 @gluon.jit
 def _issue_tile(s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt, stride_kp, stride_vp, t, page, t_end, stage,
-                BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, IS_PAGED: gl.constexpr):
+                BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, IS_PAGED: gl.constexpr, KEY_PAGES: gl.constexpr):
     """Start the copies of keys ``[t, t + BLOCK_N)`` (those below ``t_end``; the rest zero-filled) into ring
     ``stage`` (one commit group); a paged cache's tile lies within ``page`` (``PAGE_SIZE`` a multiple of
-    ``BLOCK_N``)."""
+    ``BLOCK_N``), or with ``KEY_PAGES`` its keys in pages ``page [BLOCK_N]`` (then ``p_k``, ``p_v`` hold no
+    key offsets)."""
     m = (t + o_ck < t_end)[:, None]
-    if IS_PAGED:
+    if KEY_PAGES:
+        slot = ((t + o_ck) % PAGE_SIZE).to(gl.int64)
+        o_k = (page * stride_kp + slot * stride_kt)[:, None]
+        o_v = (page * stride_vp + slot * stride_vt)[:, None]
+    elif IS_PAGED:
         slot = (t % PAGE_SIZE).to(gl.int64)
         o_k = page * stride_kp + slot * stride_kt
         o_v = page * stride_vp + slot * stride_vt
@@ -148,16 +157,16 @@ def _attend_tile(q, b_k, b_v, qk_scale, m_i, l_i, r_i, acc, key0, row_hi, o_key,
 def _next_tile(q, qk_scale, s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt, stride_kp, stride_vp, p_bt, stride_btp,
                num_pages, page, t_start, t_end, it, row_hi, o_key, m_i, l_i, r_i, acc, MASKED: gl.constexpr,
                BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr, IS_PAGED: gl.constexpr,
-               k_l: gl.constexpr, v_l: gl.constexpr):
-    """Tile ``it`` of the split: start the copy of tile ``it + NUM_STAGES - 1`` (in pool page ``page`` of a
-    paged cache) into the ring stage that tile ``it - 1`` held, read the block-table entry of the tile after
-    it (returned: its latency hides behind this tile), wait for tile ``it``'s copy and fold it in
+               KEY_PAGES: gl.constexpr, k_l: gl.constexpr, v_l: gl.constexpr):
+    """Tile ``it`` of the split: start the copy of tile ``it + NUM_STAGES - 1`` (in pool pages ``page`` of a
+    paged cache) into the ring stage that tile ``it - 1`` held, read the block-table entries of the tile after
+    it (returned: their latency hides behind this tile), wait for tile ``it``'s copy and fold it in
     (:func:`_attend_tile`)."""
     t_next = t_start + (it + NUM_STAGES - 1) * BLOCK_N
     _barrier()  # every lane is done with the stage the next copy overwrites
     _issue_tile(s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt, stride_kp, stride_vp, t_next, page, t_end,
-                (it + NUM_STAGES - 1) % NUM_STAGES, BLOCK_N, PAGE_SIZE, IS_PAGED)
-    page = _page_of(p_bt, stride_btp, t_next + BLOCK_N, t_end, num_pages, PAGE_SIZE, IS_PAGED)
+                (it + NUM_STAGES - 1) % NUM_STAGES, BLOCK_N, PAGE_SIZE, IS_PAGED, KEY_PAGES)
+    page = _page_of(p_bt, stride_btp, t_next + BLOCK_N, o_ck, t_end, num_pages, PAGE_SIZE, IS_PAGED, KEY_PAGES)
     async_copy.wait_group(NUM_STAGES - 1)
     _barrier()
     m_i, l_i, r_i, acc = _attend_tile(q, s_k.index(it % NUM_STAGES).load(k_l), s_v.index(it % NUM_STAGES).load(v_l),
@@ -190,8 +199,9 @@ def _split_kv_fp8_kernel(
     gl.static_assert(HEAD_DIM == HEAD_DIM_1W and BLOCK_D == HEAD_DIM_1W and BLOCK_H == ROWS_1W)
     gl.static_assert(Q_ROWS * GROUP_SIZE <= ROWS_1W and (BLOCK_N == 16 or BLOCK_N == 32) and KV_SCALE != 0)
     gl.static_assert(not (HAS_ROW_LIMITS or HAS_WINDOW or SOFTCAP or HAS_SINKS))
-    gl.static_assert(STREAMS == 1 and not PAIR_V and SPLIT_PAGES == 0 and PAGE_TILES == IS_PAGED)
-    gl.static_assert(not IS_PAGED or PAGE_SIZE % BLOCK_N == 0)
+    gl.static_assert(STREAMS == 1 and not PAIR_V and SPLIT_PAGES == 0 and not PAGE_GATHER)
+    gl.static_assert(PAGE_TILES == (IS_PAGED and PAGE_SIZE % BLOCK_N == 0))
+    KEY_PAGES: gl.constexpr = IS_PAGED and not PAGE_TILES  # pages that do not hold whole tiles: an entry a key
     if PDL:  # Note [Programmatic dependent launch]
         _gdc("wait")
     D: gl.constexpr = HEAD_DIM_1W
@@ -218,9 +228,13 @@ def _split_kv_fp8_kernel(
     o_ck = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, cp_l))
     o_cd = gl.arange(0, D, layout=gl.SliceLayout(0, cp_l))
     p_k, p_v = kv_bases(K, V, i_b64, i_h64, stride_kb, stride_kh, stride_vb, stride_vh, IS_PAGED)
-    p_k = p_k + o_ck[:, None].to(gl.int64) * stride_kt + o_cd[None, :]
-    p_v = p_v + o_ck[:, None].to(gl.int64) * stride_vt + o_cd[None, :]
-    if IS_PAGED:  # a tile's page (PAGE_TILES): its block-table entry, read a tile ahead of its copy
+    if KEY_PAGES:  # the keys' offsets come with their pages (_issue_tile)
+        p_k = p_k + o_cd[None, :]
+        p_v = p_v + o_cd[None, :]
+    else:
+        p_k = p_k + o_ck[:, None].to(gl.int64) * stride_kt + o_cd[None, :]
+        p_v = p_v + o_ck[:, None].to(gl.int64) * stride_vt + o_cd[None, :]
+    if IS_PAGED:  # the tile's page (or its keys'): block-table entries read a tile ahead of the copy
         p_bt = BLOCK_TABLE + i_b64 * stride_btb
     else:
         p_bt = BLOCK_TABLE
@@ -232,9 +246,10 @@ def _split_kv_fp8_kernel(
     for i in gl.static_range(NUM_STAGES - 1):
         t_i = t_start + i * BLOCK_N
         _issue_tile(s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt, stride_kb, stride_vb, t_i,
-                    _page_of(p_bt, stride_btp, t_i, t_end, NUM_PAGES, PAGE_SIZE, IS_PAGED), t_end, i, BLOCK_N,
-                    PAGE_SIZE, IS_PAGED)
-    page = _page_of(p_bt, stride_btp, t_start + (NUM_STAGES - 1) * BLOCK_N, t_end, NUM_PAGES, PAGE_SIZE, IS_PAGED)
+                    _page_of(p_bt, stride_btp, t_i, o_ck, t_end, NUM_PAGES, PAGE_SIZE, IS_PAGED, KEY_PAGES), t_end, i,
+                    BLOCK_N, PAGE_SIZE, IS_PAGED, KEY_PAGES)
+    page = _page_of(p_bt, stride_btp, t_start + (NUM_STAGES - 1) * BLOCK_N, o_ck, t_end, NUM_PAGES, PAGE_SIZE,
+                    IS_PAGED, KEY_PAGES)
 
     # the query rows (token r // G, head h G + r % G, as split_kv.row_heads), head dim in the keys' byte order,
     # scaled into fp16 as _state.fp16_query does (Note [Attention states inside kernels], FP8); written out here
@@ -270,12 +285,12 @@ def _split_kv_fp8_kernel(
         m_i, l_i, r_i, acc, page = _next_tile(q, qk_scale, s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt, stride_kb,
                                               stride_vb, p_bt, stride_btp, NUM_PAGES, page, t_start, t_end, it, row_hi,
                                               o_key, m_i, l_i, r_i, acc, False, BLOCK_N, NUM_STAGES, PAGE_SIZE,
-                                              IS_PAGED, k_l, v_l)
+                                              IS_PAGED, KEY_PAGES, k_l, v_l)
     for it in range(n_full, n_tiles):  # the tiles that reach a row's last key
         m_i, l_i, r_i, acc, page = _next_tile(q, qk_scale, s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt, stride_kb,
                                               stride_vb, p_bt, stride_btp, NUM_PAGES, page, t_start, t_end, it, row_hi,
                                               o_key, m_i, l_i, r_i, acc, True, BLOCK_N, NUM_STAGES, PAGE_SIZE,
-                                              IS_PAGED, k_l, v_l)
+                                              IS_PAGED, KEY_PAGES, k_l, v_l)
     async_copy.wait_group(0)
     if PDL:  # the K/V reads are done
         _gdc("launch_dependents")
@@ -317,6 +332,8 @@ def _aot_spec(group, q_rows, export, long=False, **kw):
 # 32-key tiles, GQA 4 split (e4m3) and four causal rows of GQA 4 (e5m2, per-head scales)
 AOT_SPECS = [_aot_spec(4, 1, True, kv="fp8e4nv", kv_scale=1),
              _aot_spec(4, 1, True, kv="fp8e4nv", kv_scale=1, page_size=16, page_tiles=True),
+             _aot_spec(4, 1, True, kv="fp8e4nv", kv_scale=1, page_size=1),
+             _aot_spec(5, 3, True, causal=True, kv="fp8e5", kv_scale=2, page_size=8),
              _aot_spec(4, 4, True, causal=True, kv="fp8e5", kv_scale=2, long=True, page_size=64, page_tiles=True),
              _aot_spec(4, 4, False, causal=True, kv="fp8e5", kv_scale=2),
              _aot_spec(16, 1, True, kv="fp8e4nv", kv_scale=2),
