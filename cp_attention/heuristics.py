@@ -213,7 +213,7 @@ def table_pages(plan: DecodePlan, page_size: int) -> int:
 MANY_WAVES = 3
 # 64-key tiles in two stages, four programs per SM (registers capped at 128): many sequences × KV heads
 FOUR_PER_SM = DecodeConfig(64, 4, 2, programs=4, maxnreg=128)  # 65536 registers / (4 programs x 128 threads)
-# FP8 caches, paged, and dense outside the one-warp kernel's domain (:func:`one_warp_fp8`): 64-key tiles, two
+# FP8 caches outside the one-warp kernel's domain (:func:`one_warp_fp8`), dense or paged: 64-key tiles, two
 # warps, three stages, four programs per SM (23-49 KB of shared memory, 241-255 registers on sm_90 without
 # spills for query tiles of up to 32 rows; 64 rows spill)
 FP8_TWO_WARPS = DecodeConfig(64, 2, 3, programs=4)
@@ -262,8 +262,8 @@ def decode_config(head_dim: int, dtype: torch.dtype, t_max: int | None = None, p
 
     An FP8 cache of more than 512 positions, head dim 65-128, read by query tiles of at most 32 rows
     (``rows``: query rows per KV head, Q x GQA) takes :data:`FP8_TWO_WARPS`, dense or paged (through the
-    register table, ``table``, or one table entry per key). (On sm_90, ``flash_decode`` gives the dense
-    caches of head dim 128 and at most 16 rows to the one-warp kernel instead: :func:`one_warp_fp8`,
+    register table, ``table``, or one table entry per key). (On sm_90, ``flash_decode`` gives the caches,
+    dense or paged, of head dim 128 and at most 16 rows to the one-warp kernel instead: :func:`one_warp_fp8`,
     :func:`one_warp_plan`.) The FP8 loop is bound by the latency of each
     tile's chain (the conversions' shared-memory round trips, cross-warp reductions), not by bytes or
     issue: two warps a program halve the cross-warp work and four programs per SM overlap the chains.

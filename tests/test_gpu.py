@@ -600,8 +600,8 @@ ONE_WARP_CASES = [
 
 
 @pytest.mark.parametrize("dtype8,per_head,layout,q_rows,hq,hkv,splits,page", ONE_WARP_CASES,
-                         ids=[f"{str(c[0])[6:]}-{'head' if c[1] else 'float'}-{c[2]}-Q{c[3]}-{c[4]}x{c[5]}-S{c[6]}-P{c[7]}"
-                              for c in ONE_WARP_CASES])
+                         ids=[f"{str(c[0])[6:]}-{'head' if c[1] else 'float'}-{c[2]}-Q{c[3]}-{c[4]}x{c[5]}-S{c[6]}"
+                              f"-P{c[7]}" for c in ONE_WARP_CASES])
 def test_one_warp_fp8_kernel_against_the_dequantised_oracle(dtype8, per_head, layout, q_rows, hq, hkv, splits, page):
     """Note [One-warp FP8 tiles]: the Gluon kernel (no interpreter path: this is its numerical test) against
     the float64 oracle on the dequantised cache, dense or in shuffled page pools, ragged lengths (empty,

@@ -193,7 +193,7 @@ def _split_kv_fp8_kernel(
     PDL: gl.constexpr, STREAMS: gl.constexpr, PAGE_GATHER: gl.constexpr, PAGE_TILES: gl.constexpr,
     PAIR_V: gl.constexpr, NUM_STAGES: gl.constexpr,
 ):
-    """Split-KV decode over a dense FP8 cache, one warp a program (Note [One-warp FP8 tiles]); arguments
+    """Split-KV decode over an FP8 cache (dense or paged), one warp a program (Note [One-warp FP8 tiles]); arguments
     and outputs as ``split_kv._split_kv_kernel`` (Note [Split-KV decode]), plus ``NUM_STAGES`` K/V tiles in
     the ``cp.async`` ring."""
     gl.static_assert(HEAD_DIM == HEAD_DIM_1W and BLOCK_D == HEAD_DIM_1W and BLOCK_H == ROWS_1W)
