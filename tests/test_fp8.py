@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from cp_attention import AttentionState, CascadeLevel, cascade_decode, flash_decode, quantize_kv
-from cp_attention.heuristics import (FP8_ONE_WARP, FP8_TABLE_LOOP, FP8_TWO_WARPS, REFERENCE_SMS, WIDE_FP8,
+from cp_attention.heuristics import (FP8_ONE_WARP, FP8_ONE_WARP_LONG, FP8_TABLE_LOOP, FP8_TWO_WARPS, REFERENCE_SMS, WIDE_FP8,
                                       WIDE_FP8_TABLE_LOOP, WIDE_PAGES, DecodePlan, decode_plan)
 from cp_attention.ops.split_kv import split_kv_launch_config
 from cp_attention.reference import attention
@@ -314,6 +314,26 @@ def _bad():
 
 
 BAD = _bad()
+
+
+def test_given_one_warp_plans_match_the_cache(monkeypatch):
+    """A given one-warp plan (Note [One-warp FP8 tiles]) past the device check: one table entry a tile
+    (``page_tiles``) exactly where the pages hold whole tiles, else an entry a key in 16-key tiles, none on a
+    dense cache; each mismatch is a ValueError before any launch."""
+    monkeypatch.setattr("cp_attention.decode.one_warp_fp8", lambda *args: True)
+    q, k, v, sl = dense_cache(2, 8, 2, 64, 128, [64, 3], q_rows=None, dtype=torch.bfloat16)
+    k8, v8, ks, vs = quantize_kv(k, v)
+    mismatches = [(0, FP8_ONE_WARP, True), (16, FP8_ONE_WARP, False), (32, FP8_ONE_WARP_LONG, False),
+                  (8, FP8_ONE_WARP, True), (16, FP8_ONE_WARP_LONG, False), (16, FP8_ONE_WARP_LONG, True)]
+    for page, config, tiles in mismatches:
+        kw = {}
+        kc, vc = k8, v8
+        if page:
+            kc, vc, table = page_pool(k8, v8, sl, page, "HND")
+            kw["block_table"] = table
+        plan = DecodePlan(config, 1, 64 // config.block_n, page_tiles=tiles)
+        with pytest.raises(ValueError, match=r"^plan\b"):
+            flash_decode(q, kc, vc, sl, k_scale=ks, v_scale=vs, plan=plan, **kw)
 
 
 @pytest.mark.parametrize("fn,exc,name", [c[1:] for c in BAD], ids=[c[0] for c in BAD])
