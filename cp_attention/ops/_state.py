@@ -468,6 +468,20 @@ def attend_tile(m_i, l_i, r_i, acc, b_q, row_lo, row_hi, p_k, p_v, stride_kt, st
 
 
 @triton.jit
+def take_weights(b_s, m_ref, l_i, r_i, dtype: tl.constexpr, AX: tl.constexpr, SUM_ROUNDED: tl.constexpr = True):
+    """A tile's weights ``2^(s - m_ref)`` of its masked base-2 scores ``b_s`` (the keys on axis ``AX``) against
+    the reference max ``m_ref``: ``(p rounded to dtype, l_i + the sum of the weights, r_i + the sum of the
+    rounded ones)`` (Note [Attention states inside kernels]; the Triton kernels' :func:`fold_weights`, the
+    Gluon FP8 kernel's ``_attend_tile``); ``SUM_ROUNDED`` False: ``r_i`` as given (summed by the caller)."""
+    p = tl.exp2(b_s - tl.expand_dims(m_ref, AX))
+    l_i = l_i + tl.sum(p, AX)
+    p = p.to(dtype)
+    if SUM_ROUNDED:
+        r_i = r_i + tl.sum(p.to(tl.float32), AX)
+    return p, l_i, r_i
+
+
+@triton.jit
 def fold_weights(l_i, r_i, acc, b_s, m_ref, alpha, b_v, AX: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                  UPCAST: tl.constexpr, RSUM_DOT: tl.constexpr, PAIR_V: tl.constexpr = 0):
     """The online-softmax step of level 1 after :func:`running_max` gave ``(m_ref, alpha)``: a tile's masked
@@ -476,13 +490,11 @@ def fold_weights(l_i, r_i, acc, b_s, m_ref, alpha, b_v, AX: tl.constexpr, INPUT_
     kernels]): ``l`` sums the weights, ``r`` the weights rounded to the value dtype (``RSUM_DOT``: on the
     tensor cores, 2-D tiles), ``acc`` the products of the rounded weights with the values ``b_v [..., N, D]``.
     Returns ``(l, r, acc)``."""
-    p = tl.exp2(b_s - tl.expand_dims(m_ref, AX))
-    l_i = l_i * alpha + tl.sum(p, AX)
-    p = p.to(b_v.dtype)
     if RSUM_DOT:
+        p, l_i, _ = take_weights(b_s, m_ref, l_i * alpha, r_i, b_v.dtype, AX, False)
         r_i = dot(p, tl.full([b_s.shape[AX], 16], 1.0, p.dtype), r_i * alpha[:, None], INPUT_PRECISION, UPCAST)
     else:
-        r_i = r_i * alpha + tl.sum(p.to(tl.float32), AX)
+        p, l_i, r_i = take_weights(b_s, m_ref, l_i * alpha, r_i * alpha, b_v.dtype, AX)
     if PAIR_V:  # Note [FP8 values in pairs]
         p = pair_weights(p)
     acc = dot(p, b_v, acc * tl.expand_dims(alpha, AX), INPUT_PRECISION, UPCAST)

@@ -54,7 +54,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.runtime.jit import constexpr_function
 
-from ._state import LN2, finalize, kv_bases, lazy_running_max, score_scales, split_range, table_entries
+from ._state import (LN2, finalize, kv_bases, lazy_running_max, score_scales, split_range, table_entries,
+                     take_weights)
 
 # Triton 3.6's names of the cp.async copy and the CTA barrier; later versions call them async_load and
 # barrier (same arguments)
@@ -129,7 +130,7 @@ def _issue_tile(s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt, stride_kp, strid
 def _attend_tile(q, b_k, b_v, qk_scale, m_i, l_i, r_i, acc, key0, row_hi, o_key, MASKED: gl.constexpr,
                  BLOCK_N: gl.constexpr):
     """Fold one K/V tile (FP8, as loaded in the permuted register layouts) into the running state ``(m_i,
-    l_i, r_i, acc)`` (``l`` sums the weights, ``r`` the weights rounded to fp16, as ``_state.fold_weights``);
+    l_i, r_i, acc)`` (``l`` sums the weights, ``r`` the weights rounded to fp16: ``_state.take_weights``);
     ``MASKED``: keys ``key0 + o_key >= row_hi`` of a row are left out."""
     D: gl.constexpr = HEAD_DIM_1W
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
@@ -142,10 +143,7 @@ def _attend_tile(q, b_k, b_v, qk_scale, m_i, l_i, r_i, acc, key0, row_hi, o_key,
     if MASKED:
         s = gl.where(key0 + o_key[None, :] < row_hi[:, None], s, float("-inf"))
     m_i, m_ref, l_i, r_i, acc = lazy_running_max(m_i, gl.max(s, 1), l_i, r_i, acc, LAZY_RESCALE)
-    p = gl.exp2(s - m_ref[:, None])
-    l_i = l_i + gl.sum(p, 1)
-    p = p.to(gl.float16)
-    r_i = r_i + gl.sum(p.to(gl.float32), 1)
+    p, l_i, r_i = take_weights(s, m_ref, l_i, r_i, gl.float16, 1)
     # V [BLOCK_N, byte (g2 g1 g0 i3 i2 i1 i0)] -> [key, n (i3 i2 i1 i0 g2 g1 g0)]: the operand of p @ v
     v = gl.reshape(b_v.to(gl.float16), [BLOCK_N, 2, 2, 2, 2, 2, 2, 2])
     v = gl.convert_layout(gl.reshape(gl.permute(v, (0, 4, 5, 6, 7, 1, 2, 3)), [BLOCK_N, D]), b_l)
