@@ -33,8 +33,8 @@ from ._constants import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, LOG2E
 from ._dispatch import use_triton
 from ._validate import (check_bool, check_head_dim, check_index_tensor, check_int, check_kv_layout, check_kv_scales,
                         check_sm_scale, check_tensor, check_unit_stride, check_variants)
-from .heuristics import (FP8_ONE_WARP, FP8_ONE_WARP_LONG, DecodePlan, decode_plan, deterministic_plan, num_sms,
-                         one_warp_fp8, one_warp_plan, use_pdl)
+from .heuristics import (FP8_ONE_WARP, FP8_ONE_WARP_FEW, FP8_ONE_WARP_LONG, DecodePlan, decode_plan,
+                         deterministic_plan, num_sms, one_warp_fp8, one_warp_plan, use_pdl)
 from .state import AttentionState
 
 __all__ = ["flash_decode"]
@@ -218,7 +218,7 @@ def _prepare(q, k, v, seq_lens, block_table, row_limits, sinks, scales, num_spli
         causal=geo.q_rows > 1 and row_limits is None, row_limits=row_limits is not None, kv_scale=geo.kv_scale,
         window=window_left is not None and row_limits is None, softcap=softcap, sinks=sinks is not None, pdl=pdl)
     kernel = _split_kv_kernel
-    if plan.config in (FP8_ONE_WARP, FP8_ONE_WARP_LONG):
+    if plan.config in (FP8_ONE_WARP, FP8_ONE_WARP_LONG, FP8_ONE_WARP_FEW):
         if not (one_warp_fp8(q.device, k.dtype, d, rows, geo.t_max, plain, geo.page_size)
                 and plan.page_tiles == (geo.page_size > 0 and geo.page_size % plan.config.block_n == 0)
                 and (plan.page_tiles or not geo.page_size or plan.config == FP8_ONE_WARP)
@@ -247,10 +247,10 @@ def _prepare(q, k, v, seq_lens, block_table, row_limits, sinks, scales, num_spli
     combine, work = None, 0
     if exports(plan):
         work = export_floats(b, geo.hkv, tiling, d, plan.num_splits)
-        c_constexprs, c_options, chunks = combine_launch_config(
+        c_constexprs, c_options, c_grid = combine_launch_config(
             hq // geo.hkv, geo.q_rows, d, sinks is not None, None if plan.deterministic else plan.num_splits, pdl,
             plan.config.programs > 1)
-        combine = Launcher(_combine_kernel, (grid[0], chunks), c_constexprs, device=cuda,
+        combine = Launcher(_combine_kernel, (grid[0], *c_grid), c_constexprs, device=cuda,
                            static=(plan.num_splits, geo.hkv, *o_strides, *lse_strides, sink_stride), **c_options)
     return _Prepared(launcher, combine, cuda, q.device, tuple(q.shape), q.dtype, o_like_q, lse_shape,
                      1.0 / math.sqrt(d), work, math.prod(lse_shape), b > 0)
@@ -573,9 +573,9 @@ def combine_exported(q, hkv: int, slots, n_slots: int, o, lse, sinks=None) -> No
 
     b, hq, d = q.shape[0], q.shape[-2], q.shape[-1]
     q_rows = q.shape[1] if q.dim() == 4 else 1
-    constexprs, options, chunks = combine_launch_config(hq // hkv, q_rows, d, sinks is not None)
+    constexprs, options, c_grid = combine_launch_config(hq // hkv, q_rows, d, sinks is not None)
     multi = q.dim() == 4
-    launch(_combine_kernel, (b * hkv * row_tiling(q_rows, hq // hkv).n_rt, chunks),
+    launch(_combine_kernel, (b * hkv * row_tiling(q_rows, hq // hkv).n_rt, *c_grid),
            (slots, q if sinks is None else sinks, o, lse, n_slots, hkv, *_bqh(o.stride(), multi),
             *_bqh(lse.stride(), multi), sinks.stride(0) if sinks is not None else 0), constexprs, **options)
 

@@ -23,7 +23,8 @@ from typing import NamedTuple
 import torch
 
 __all__ = ["num_splits", "num_sms", "use_pdl", "one_warp_fp8", "one_warp_plan", "DecodeConfig", "DecodePlan",
-           "FOUR_PER_SM", "FP8_TWO_WARPS", "FP8_ONE_WARP", "FP8_ONE_WARP_LONG", "FP8_TABLE_LOOP", "WIDE_HEADS",
+           "FOUR_PER_SM", "FP8_TWO_WARPS", "FP8_ONE_WARP", "FP8_ONE_WARP_LONG", "FP8_ONE_WARP_FEW",
+           "FP8_TABLE_LOOP", "WIDE_HEADS",
            "WIDE_PAGES", "WIDE_FP8", "WIDE_FP8_TABLE_LOOP", "decode_config", "decode_plan", "deterministic_plan",
            "PrefixConfig", "PrefixPlan", "prefix_config", "prefix_plan", "REFERENCE_SMS"]
 
@@ -116,24 +117,33 @@ def one_warp_fp8(device: torch.device, kv_dtype: torch.dtype, head_dim: int, row
 def one_warp_plan(batch: int, num_kv_heads: int, t_max: int, num_sms: int, splits: int | None = None,
                   page_size: int = 0) -> DecodePlan:
     """The plan of the one-warp FP8 kernel (:func:`one_warp_fp8`): one wave of :data:`FP8_ONE_WARP`'s eight
-    programs per SM (or ``splits``), in :data:`FP8_ONE_WARP_LONG`'s 32-key tiles where a split holds more than
-    :data:`LONG_SPLIT_KEYS` positions (and pages, if any, hold whole 32-key tiles). A paged cache
-    (``page_size`` > 0) gets the dense plan's splits, with one block-table entry read a tile where a page holds
-    whole tiles (``page_tiles``: pages of a multiple of 16), else one a key.
+    programs per SM (or ``splits``); where the pages, if any, hold whole 32-key tiles, in
+    :data:`FP8_ONE_WARP_LONG`'s 32-key tiles (the same splits) where such a split holds more than
+    :data:`LONG_SPLIT_KEYS` positions, and in one wave of :data:`FP8_ONE_WARP_FEW`'s four programs per SM (or
+    ``splits``) where it holds at most :data:`FEW_SPLIT_KEYS`. A paged cache (``page_size`` > 0) gets the dense
+    plan's splits, with one block-table entry read a tile where a page holds whole tiles (``page_tiles``: pages
+    of a multiple of 16), else one a key.
 
     >>> [one_warp_plan(1, 8, t, 132)[:3] for t in (131072, 1 << 20)]  # doctest: +NORMALIZE_WHITESPACE
-    [(DecodeConfig(block_n=16, num_warps=1, num_stages=3, programs=8, maxnreg=0), 131, 63),
+    [(DecodeConfig(block_n=32, num_warps=1, num_stages=3, programs=4, maxnreg=0), 66, 63),
      (DecodeConfig(block_n=32, num_warps=1, num_stages=3, programs=8, maxnreg=0), 132, 249)]
     >>> [one_warp_plan(1, 8, 1 << 20, 132, page_size=p)[::6] for p in (1, 16, 64)]  # doctest: +NORMALIZE_WHITESPACE
     [(DecodeConfig(block_n=16, num_warps=1, num_stages=3, programs=8, maxnreg=0), False),
      (DecodeConfig(block_n=16, num_warps=1, num_stages=3, programs=8, maxnreg=0), True),
      (DecodeConfig(block_n=32, num_warps=1, num_stages=3, programs=8, maxnreg=0), True)]
+    >>> [one_warp_plan(1, 8, 131072, 132, page_size=p)[:3] for p in (16, 32)]  # doctest: +NORMALIZE_WHITESPACE
+    [(DecodeConfig(block_n=16, num_warps=1, num_stages=3, programs=8, maxnreg=0), 131, 63),
+     (DecodeConfig(block_n=32, num_warps=1, num_stages=3, programs=4, maxnreg=0), 66, 63)]
     """
     plan = decode_plan(batch, num_kv_heads, t_max, 128, torch.bfloat16, num_sms, splits, FP8_ONE_WARP,
                        torch.float8_e4m3fn)
-    if plan.tiles_per_split * FP8_ONE_WARP.block_n > LONG_SPLIT_KEYS and page_size % FP8_ONE_WARP_LONG.block_n == 0:
+    keys = plan.tiles_per_split * FP8_ONE_WARP.block_n
+    if page_size % FP8_ONE_WARP_LONG.block_n == 0 and keys > LONG_SPLIT_KEYS:
         plan = decode_plan(batch, num_kv_heads, t_max, 128, torch.bfloat16, num_sms, plan.num_splits,
                            FP8_ONE_WARP_LONG, torch.float8_e4m3fn)
+    elif page_size % FP8_ONE_WARP_FEW.block_n == 0 and keys <= FEW_SPLIT_KEYS:
+        plan = decode_plan(batch, num_kv_heads, t_max, 128, torch.bfloat16, num_sms, splits, FP8_ONE_WARP_FEW,
+                           torch.float8_e4m3fn)
     return plan._replace(page_tiles=page_size > 0 and page_size % plan.config.block_n == 0)
 
 
@@ -228,6 +238,15 @@ FP8_ONE_WARP = DecodeConfig(16, 1, 3, programs=8)
 # 257.7-258.8, B=16 T=32k (4096) level (benchmarks/NOTES.md, nineteenth round)
 FP8_ONE_WARP_LONG = DecodeConfig(32, 1, 3, programs=8)
 LONG_SPLIT_KEYS = 4096
+# ... in 32-key tiles at four programs per SM (the same kernel as FP8_ONE_WARP_LONG, half the splits, each
+# twice as long) where FP8_ONE_WARP's splits hold at most FEW_SPLIT_KEYS positions: H200, e4m3, 32/8/128, graph
+# µs against FP8_ONE_WARP's plan, two or three interleaved rounds: B=1 T=8k 13.4 / 15.2-15.5, 16k 16.6-16.9 /
+# 18.9, 32k 24.5 / 27.1, 64k 39.7 / 41.6, 128k 68.6-69.0 / 71.6-72.0, 256k 127.1 / 130.5-130.9, B=4 T=32k
+# 70.1 / 71.7, B=2 T=128k 128.1 / 131.6-132.0; where the splits are longer it was no faster: B=1 T=1M
+# 484.9-498.7 / 482.1-483.1, B=16 T=32k 243.7-269.3 / 253.4-254.3 (bimodal), 5 or 6 programs per SM and
+# deeper rings slower at 128k (benchmarks/NOTES.md, twenty-first round)
+FP8_ONE_WARP_FEW = DecodeConfig(32, 1, 3, programs=4)
+FEW_SPLIT_KEYS = 2048
 # FP8 page pools read one table entry per key: the same tiles in five stages, which Triton's pipeliner turns
 # into two K/V tiles in flight beside the table load's stage (three or four stages: one; sm_90, 232-255
 # registers, 40-46 KB, four programs per SM)

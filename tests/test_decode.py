@@ -44,6 +44,20 @@ def test_num_splits_ragged_batch(splits):
     check(q, k, v, lens(1000, 37, 1, 0), num_splits=splits)
 
 
+def test_many_splits_merge_in_head_dim_chunks():
+    """More than 64 splits of head dim 128 (one tile each): the combine reads every split's state at once in
+    chunks of the head dim, a program a chunk, the lse from the first (Note [Level 2 in its own kernel]);
+    the shorter sequence's splits past its length hold empty states. Against the float64 oracle."""
+    from cp_attention.heuristics import num_sms
+    from cp_attention.ops.split_kv import combine_launch_config
+
+    t = 8200
+    q, k, v = make(2, 4, 2, t, 128, seed=5)
+    plan = decode_plan(2, 2, t, 128, torch.bfloat16, num_sms(q.device), 1000)
+    assert plan.num_splits > 64 and combine_launch_config(2, 1, 128, False, plan.num_splits)[2][1] > 1, plan
+    check(q, k, v, lens(t, 1000), num_splits=1000)
+
+
 EDGE_LENS = [1, BN - 1, BN, BN + 1, 2 * BN - 1, 2 * BN + 1, 4 * BN - 1, 4 * BN + 1, 5 * BN]
 
 

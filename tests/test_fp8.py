@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from cp_attention import AttentionState, CascadeLevel, cascade_decode, flash_decode, quantize_kv
-from cp_attention.heuristics import (FP8_ONE_WARP, FP8_ONE_WARP_LONG, FP8_TABLE_LOOP, FP8_TWO_WARPS, REFERENCE_SMS, WIDE_FP8,
-                                      WIDE_FP8_TABLE_LOOP, WIDE_PAGES, DecodePlan, decode_plan)
+from cp_attention.heuristics import (FP8_ONE_WARP, FP8_ONE_WARP_FEW, FP8_ONE_WARP_LONG, FP8_TABLE_LOOP, FP8_TWO_WARPS,
+                                      REFERENCE_SMS, WIDE_FP8, WIDE_FP8_TABLE_LOOP, WIDE_PAGES, DecodePlan, decode_plan)
 from cp_attention.ops.split_kv import split_kv_launch_config
 from cp_attention.reference import attention
 
@@ -324,7 +324,8 @@ def test_given_one_warp_plans_match_the_cache(monkeypatch):
     q, k, v, sl = dense_cache(2, 8, 2, 64, 128, [64, 3], q_rows=None, dtype=torch.bfloat16)
     k8, v8, ks, vs = quantize_kv(k, v)
     mismatches = [(0, FP8_ONE_WARP, True), (16, FP8_ONE_WARP, False), (32, FP8_ONE_WARP_LONG, False),
-                  (8, FP8_ONE_WARP, True), (16, FP8_ONE_WARP_LONG, False), (16, FP8_ONE_WARP_LONG, True)]
+                  (8, FP8_ONE_WARP, True), (16, FP8_ONE_WARP_LONG, False), (16, FP8_ONE_WARP_LONG, True),
+                  (16, FP8_ONE_WARP_FEW, False), (32, FP8_ONE_WARP_FEW, False)]
     for page, config, tiles in mismatches:
         kw = {}
         kc, vc = k8, v8

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from cp_attention.heuristics import (FOUR_PER_SM, FP8_ONE_WARP, FP8_ONE_WARP_LONG, FP8_TABLE_LOOP, FP8_TWO_WARPS, REFERENCE_SMS, WIDE_FP8,
-                                      WIDE_FP8_TABLE_LOOP, WIDE_HEADS, WIDE_PAGES, DecodeConfig, DecodePlan,
+from cp_attention.heuristics import (FOUR_PER_SM, FP8_ONE_WARP, FP8_ONE_WARP_FEW, FP8_ONE_WARP_LONG, FP8_TABLE_LOOP,
+                                      FP8_TWO_WARPS, REFERENCE_SMS, WIDE_FP8, WIDE_FP8_TABLE_LOOP, WIDE_HEADS, WIDE_PAGES, DecodeConfig, DecodePlan,
                                       PrefixConfig, decode_config, decode_plan, num_sms, num_splits, prefix_config, prefix_num_splits,
                                       one_warp_fp8, one_warp_plan, prefix_plan)
 
@@ -208,9 +208,9 @@ def test_prefix_policy():
 def test_one_warp_fp8_domain_and_plan(monkeypatch):
     """Note [One-warp FP8 tiles]: only CUDA devices of compute capability 9 run the Gluon kernel (never the
     CPU or the interpreter), for FP8 caches of head dim 128 and more than 512 positions, dense or paged, read
-    by at most 16 query rows; its plan is one wave of eight one-warp programs per SM, the dense cache's splits
-    for a paged one (one table entry a tile where pages hold whole tiles), in 32-key tiles only where pages
-    hold them."""
+    by at most 16 query rows; its plan is one wave of eight one-warp programs per SM (of four in 32-key tiles
+    where the eight's splits hold at most 2048 positions), the dense cache's splits for a paged one (one table
+    entry a tile where pages hold whole tiles), in 32-key tiles only where pages hold them."""
     e4m3 = torch.float8_e4m3fn
     assert not one_warp_fp8(torch.device("cpu"), e4m3, 128, 4, 131072, True)
     cuda = torch.device("cuda", 0)
@@ -225,19 +225,24 @@ def test_one_warp_fp8_domain_and_plan(monkeypatch):
         assert one_warp_fp8(cuda, e4m3, 128, 4, 131072, True, page)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not one_warp_fp8(cuda, e4m3, 128, 4, 131072, True)
-    long_tiles = {(1, 131072): (131, FP8_ONE_WARP), (1, 1 << 20): (132, FP8_ONE_WARP_LONG),
-                  (16, 32768): (8, FP8_ONE_WARP), (64, 8192): (2, FP8_ONE_WARP), (4, 1 << 20): (33, FP8_ONE_WARP_LONG)}
+    long_tiles = {(1, 131072): (66, FP8_ONE_WARP_FEW), (1, 1 << 20): (132, FP8_ONE_WARP_LONG),
+                  (16, 32768): (8, FP8_ONE_WARP), (64, 8192): (2, FP8_ONE_WARP), (4, 1 << 20): (33, FP8_ONE_WARP_LONG),
+                  (1, 8192): (64, FP8_ONE_WARP_FEW), (4, 32768): (16, FP8_ONE_WARP_FEW), (2, 262144): (66, FP8_ONE_WARP)}
     for (b, t), (splits, config) in long_tiles.items():
         plan = one_warp_plan(b, 8, t, 132)
         assert (plan.config, plan.num_splits, plan.streams) == (config, splits, 1), plan
         assert plan.num_splits * plan.tiles_per_split * config.block_n >= t
-        assert (plan.tiles_per_split * config.block_n > 4096) == (config == FP8_ONE_WARP_LONG)
+        eight = decode_plan(b, 8, t, 128, torch.bfloat16, 132, None, FP8_ONE_WARP, e4m3)
+        assert (eight.tiles_per_split * 16 > 4096) == (config == FP8_ONE_WARP_LONG)
+        assert (eight.tiles_per_split * 16 <= 2048) == (config == FP8_ONE_WARP_FEW)
     assert one_warp_plan(1, 8, 1 << 20, 132, splits=7)[:3] == (FP8_ONE_WARP_LONG, 7, 4682)
+    assert one_warp_plan(1, 8, 131072, 132, splits=7)[:3] == (FP8_ONE_WARP_LONG, 7, 586)
+    assert one_warp_plan(1, 8, 131072, 132, splits=200)[:3] == (FP8_ONE_WARP_FEW, 196, 21)
     for (b, t), page in itertools.product(long_tiles, (1, 8, 16, 24, 48, 64)):
         dense, paged = one_warp_plan(b, 8, t, 132), one_warp_plan(b, 8, t, 132, page_size=page)
+        eight = decode_plan(b, 8, t, 128, torch.bfloat16, 132, None, FP8_ONE_WARP, e4m3)
         assert paged.page_tiles == (page % 16 == 0) and not dense.page_tiles, (page, paged)
-        assert paged.num_splits == dense.num_splits, (dense, paged)
         if page % 32 == 0 or dense.config == FP8_ONE_WARP:
             assert paged[:3] == dense[:3], (dense, paged)
-        else:  # 16-key tiles where the pages do not hold 32-key ones
-            assert paged.config == FP8_ONE_WARP and 0 <= 2 * dense.tiles_per_split - paged.tiles_per_split <= 1, paged
+        else:  # 16-key tiles in the eight programs' splits where the pages do not hold 32-key ones
+            assert paged[:3] == eight[:3], (eight, paged)

@@ -25,8 +25,11 @@ past a sequence's end holds the empty state, whose weight in the merge is exactl
 
 Note [Level 2 in its own kernel]
 --------------------------------
-``_combine_kernel`` runs one program per query row (grid ``(P, ROWS_T)``), each reading its row's states
-of every split in one load round trip (``BLOCK_S`` states at a time) and writing the output row. Merging
+``_combine_kernel`` runs one program per query row (grid ``(P, ROWS_T, D_CHUNKS)``), each reading its row's
+states of every split in one load round trip (``BLOCK_S`` states at a time) and writing the output row; more
+than 64 splits of head dim 128 (the one-warp FP8 plans at long contexts) are read at once in chunks of the
+head dim, one program a chunk (:func:`combine_launch_config`), where 64 at a time took three round trips of
+~1 µs after the split kernel at 131 splits. Merging
 in the split kernel's last program (the combine fused in through a ticket counter, as this kernel did
 before) was measured slower on the H200 (benchmarks/NOTES.md, "Level 2 in its own kernel"): one SM pulled
 every state of a (sequence, KV head) from L2 at about 10 GB/s, 2-3 µs per round trip of ``BLOCK_S``
@@ -196,10 +199,11 @@ def _combine_kernel(
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
     HAS_SINKS: tl.constexpr, PDL: tl.constexpr, TRIGGER_EARLY: tl.constexpr,
 ):
-    """Level 2 of the exported split states: program ``(i_p, i_r)`` merges row ``i_r`` of row tile ``i_p``
-    (a row tile of a (sequence, KV head), as in ``_split_kv_kernel``) over the ``N_SLOTS`` split-major
-    slots of ``WORK``, in slot order, ``BLOCK_S`` slots per load, then adds the sink once (Note [Level 2 in
-    its own kernel])."""
+    """Level 2 of the exported split states: program ``(i_p, i_r, i_d)`` merges row ``i_r`` of row tile
+    ``i_p`` (a row tile of a (sequence, KV head), as in ``_split_kv_kernel``) over the ``N_SLOTS``
+    split-major slots of ``WORK``, in slot order, ``BLOCK_S`` slots per load, then adds the sink once (Note
+    [Level 2 in its own kernel]): head dims ``[i_d * BLOCK_D, (i_d + 1) * BLOCK_D)`` of ``o``, and the lse
+    from chunk 0."""
     if PDL:  # the split kernel that wrote WORK is done (Note [Programmatic dependent launch])
         gdc_wait()
         if TRIGGER_EARLY:
@@ -213,7 +217,8 @@ def _combine_kernel(
     i_rt = i_p % N_RT
     i_b64 = (i_bh // HKV).to(tl.int64)
     i_h64 = (i_bh % HKV).to(tl.int64)
-    o_d = tl.arange(0, BLOCK_D)
+    i_d = tl.program_id(2)
+    o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
     m_d = o_d < HEAD_DIM
     n_rows = tl.num_programs(0).to(tl.int64) * ROWS_T
     row0 = i_p.to(tl.int64) * ROWS_T  # the tile's first row in every slot
@@ -228,7 +233,7 @@ def _combine_kernel(
         b_o, b_lse = add_sink(b_o, b_lse, tl.load(SINKS + o_h * stride_sink, mask=m_g, other=0.0))
     p_out = O + i_b64 * stride_ob + (o_q * stride_oq + o_h * stride_oh)[:, None] + o_d[None, :]
     tl.store(p_out, b_o.to(O.dtype.element_ty), mask=m_g[:, None] & m_d[None, :])
-    tl.store(LSE + i_b64 * stride_lb + o_q * stride_lq + o_h * stride_lh, b_lse, mask=m_g)
+    tl.store(LSE + i_b64 * stride_lb + o_q * stride_lq + o_h * stride_lh, b_lse, mask=m_g & (o_g * 0 + i_d == 0))
     if PDL and not TRIGGER_EARLY:
         gdc_launch_dependents()
 
@@ -328,20 +333,36 @@ def split_kv_options(config, pdl: bool) -> dict:
 
 def combine_launch_config(group: int, q_rows: int, head_dim: int, sinks: bool, num_splits: int | None = None,
                           pdl: bool = False, packed: bool = False):
-    """``(constexprs, launch options, rows)`` of ``_combine_kernel``, launched on a grid ``(B * Hkv * n_rt,
-    rows)``: one program per query row, ``BLOCK_S`` states per load (at most 8192 fp32 in registers, 64 per
-    thread). ``num_splits`` None: the deterministic splits, whose ``BLOCK_S`` only the model's shapes decide
-    (Note [Deterministic splits]); else ``num_splits`` (rounded up to a power of two) at once where they fit.
-    ``packed``: the split kernel's config packs several programs per SM (``DecodeConfig.programs``), so the
-    combine lets the next kernel launch only after its stores (Note [Programmatic dependent launch]).
-    Its arguments: the exported slots (fp32), ``sinks [Hq]`` (any tensor when unused), ``o``, ``lse`` as the
-    split kernel's; the number of slots, ``Hkv`` and the strides."""
+    """``(constexprs, launch options, (rows, d_chunks))`` of ``_combine_kernel``, launched on a grid ``(B * Hkv *
+    n_rt, rows, d_chunks)``: one program per query row and chunk of the head dim, ``BLOCK_S`` states per load
+    (at most 8192 fp32 in registers, 64 per thread). ``num_splits`` None: the deterministic splits, whose
+    ``BLOCK_S`` only the model's shapes decide (Note [Deterministic splits]), the whole head dim a program;
+    else ``num_splits`` (rounded up to a power of two, at most 256) at once, in ``d_chunks`` chunks of the head
+    dim of at least 32 where the whole head dim does not fit (Note [Level 2 in its own kernel]). ``packed``:
+    the split kernel's config packs several programs per SM (``DecodeConfig.programs``), so the combine lets
+    the next kernel launch only after its stores (Note [Programmatic dependent launch]). Its arguments: the
+    exported slots (fp32), ``sinks [Hq]`` (any tensor when unused), ``o``, ``lse`` as the split kernel's; the
+    number of slots, ``Hkv`` and the strides.
+
+    >>> [combine_launch_config(4, 1, 128, False, n)[::2] for n in (8, 64, 131)]  # doctest: +NORMALIZE_WHITESPACE
+    [({'GROUP_SIZE': 4, 'Q_ROWS': 1, 'HEAD_DIM': 128, 'BLOCK_H': 16, 'BLOCK_D': 128, 'BLOCK_S': 8, 'HAS_SINKS': False,
+       'PDL': False, 'TRIGGER_EARLY': True}, (4, 1)),
+     ({'GROUP_SIZE': 4, 'Q_ROWS': 1, 'HEAD_DIM': 128, 'BLOCK_H': 16, 'BLOCK_D': 128, 'BLOCK_S': 64, 'HAS_SINKS': False,
+       'PDL': False, 'TRIGGER_EARLY': True}, (4, 1)),
+     ({'GROUP_SIZE': 4, 'Q_ROWS': 1, 'HEAD_DIM': 128, 'BLOCK_H': 16, 'BLOCK_D': 32, 'BLOCK_S': 256, 'HAS_SINKS': False,
+       'PDL': False, 'TRIGGER_EARLY': True}, (4, 4))]
+    """
     tiling = row_tiling(q_rows, group)
     block_d = next_pow2(head_dim)
-    block_s = 8192 // block_d if num_splits is None else min(next_pow2(num_splits), 8192 // block_d)
+    if num_splits is None:
+        block_s = 8192 // block_d
+    else:
+        block_s = min(next_pow2(num_splits), 256)
+        block_d = max(32, min(block_d, 8192 // block_s))
+        block_s = min(block_s, 8192 // block_d)
     return (dict(GROUP_SIZE=group, Q_ROWS=q_rows, HEAD_DIM=head_dim, BLOCK_H=tiling.block_h, BLOCK_D=block_d,
                  BLOCK_S=block_s, HAS_SINKS=sinks, PDL=pdl, TRIGGER_EARLY=not packed), pdl_options(pdl, num_warps=4),
-            tiling.rows_t)
+            (tiling.rows_t, -(-head_dim // block_d)))
 
 
 def export_floats(batch: int, hkv: int, tiling: RowTiling, head_dim: int, num_splits: int) -> int:
@@ -422,4 +443,5 @@ AOT_SPECS = [_aot_spec(4, 1, True), _aot_spec(5, 1, False), _aot_spec(8, 1, True
     {"kernel": _combine_kernel, "signature": {"WORK": "*fp32", "SINKS": "*fp32", "O": "*bf16", "LSE": "*fp32"},
      "constexprs": cfg[0], "options": cfg[1]}
     for cfg in (combine_launch_config(4, 1, 128, True, 16, pdl=True),
-                combine_launch_config(8, 1, 128, False, pdl=True, packed=True))]
+                combine_launch_config(8, 1, 128, False, pdl=True, packed=True),
+                combine_launch_config(4, 1, 128, False, 131, pdl=True, packed=True))]
