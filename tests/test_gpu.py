@@ -14,8 +14,8 @@ import torch.multiprocessing as mp
 from cp_attention import AttentionState, CascadeLevel, cascade_decode, flash_decode, merge_states
 from cp_attention.distributed import CPKVCache, cp_flash_decode, merge_across_ranks, set_exchange, shard_kv
 from cp_attention.exchange import exchange_for
-from cp_attention.heuristics import (FP8_ONE_WARP, FP8_ONE_WARP_LONG, FP8_TABLE_LOOP, FP8_TWO_WARPS, WIDE_FP8, WIDE_FP8_TABLE_LOOP,
-                                      WIDE_HEADS, WIDE_PAGES, decode_plan, num_sms, one_warp_fp8, one_warp_plan,
+from cp_attention.heuristics import (FP8_ONE_WARP, FP8_ONE_WARP_FEW, FP8_ONE_WARP_LONG, FP8_TABLE_LOOP, FP8_TWO_WARPS,
+                                      WIDE_FP8, WIDE_FP8_TABLE_LOOP, WIDE_HEADS, WIDE_PAGES, decode_plan, num_sms, one_warp_fp8, one_warp_plan,
                                       table_pages)
 from cp_attention.ops import symm_merge
 from cp_attention.reference import attention
@@ -473,10 +473,11 @@ def shuffled_nhd_pools(k, v, page, layout="NHD"):
 # pages of 16 through the register table; pages of 64, one table entry loaded a tile), NHD pools of shuffled
 # pages of one position (one table entry per key: FP8_TABLE_LOOP), of 64 (the table in registers, each tile's
 # page gathered) and of 256 (one entry loaded a tile); the one-warp kernel's (the policy's on sm_90 at head dim
-# 128) dense and on pages of 1 (an entry a key), 16 and 256 (an entry a tile)
-FP8_FORMS = {"dense": (32, 128, 0, FP8_TWO_WARPS), "dense1w": (32, 128, 0, FP8_ONE_WARP),
+# 128) dense and on pages of 1 (an entry a key), 16 and 256 (an entry a tile); dense and on pages of 256 in the
+# four-program plan's 32-key tiles (its splits are short at B=2 T=40k)
+FP8_FORMS = {"dense": (32, 128, 0, FP8_TWO_WARPS), "dense1w": (32, 128, 0, FP8_ONE_WARP_FEW),
              "page1_1w": (32, 128, 1, FP8_ONE_WARP), "page16_1w": (32, 128, 16, FP8_ONE_WARP),
-             "page256_1w": (32, 128, 256, FP8_ONE_WARP),
+             "page256_1w": (32, 128, 256, FP8_ONE_WARP_FEW),
              "d256": (16, 256, 0, WIDE_FP8),
              "d256page16": (16, 256, 16, WIDE_FP8), "d256page64": (16, 256, 64, WIDE_FP8_TABLE_LOOP),
              "page1": (32, 128, 1, FP8_TABLE_LOOP), "page64": (32, 128, 64, FP8_TWO_WARPS),
@@ -496,7 +497,7 @@ def test_fp8_long_cache_against_the_dequantised_oracle(dtype8, form):
     v = torch.randn(b, hkv, t, d, device="cuda", dtype=torch.bfloat16)
     sl = torch.tensor([t, 9_999], device="cuda", dtype=torch.int32)
     k8, v8, ks, vs = quantize_kv(k, v, dtype8, per_head=True)
-    if config == FP8_ONE_WARP:
+    if config in (FP8_ONE_WARP, FP8_ONE_WARP_FEW):
         plan = one_warp_plan(b, hkv, t, num_sms(q.device), page_size=page)
         assert plan.config == config and plan.page_tiles == (page >= config.block_n), plan
     else:
