@@ -26,8 +26,9 @@ layouts (Gluon), one warp a program, with what Triton's ``tl.dot`` cannot expres
   16-bit ``p`` (as in FlashAttention-2), and with one warp a program every row reduction stays inside the
   warp (two shuffles), with no barrier in the loop beyond the ``cp.async`` ring's.
 * **Eight programs per SM** of one warp each, one wave (a ring of three K/V tiles in shared memory filled
-  by ``cp.async``, 16 keys a tile, 32 for splits of more than 4096 positions:
-  :func:`cp_attention.heuristics.one_warp_plan`); 168-227 registers, 12 or 24 KB.
+  by ``cp.async``, 16 keys a tile, 32 for splits of more than 4096 positions; four programs per SM in 32-key
+  tiles where eight would get splits of at most 2048: :func:`cp_attention.heuristics.one_warp_plan`);
+  168-227 registers, 12 or 24 KB.
 * **The running max moves lazily** (:func:`~cp_attention.ops._state.lazy_running_max`): only when a row's max
   rises by more than 2^8 (``LAZY_RESCALE``) is the state rescaled (a branch around 80 instructions); otherwise
   the weights are taken against the old max and stay below 2^8. The state is the same; only the reference of
