@@ -58,6 +58,28 @@ def test_many_splits_merge_in_head_dim_chunks():
     check(q, k, v, lens(t, 1000), num_splits=1000)
 
 
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+def test_combine_config_reads_the_splits_at_once_and_covers_the_head_dim(head_dim):
+    """The combine's programs cover the head dim in whole chunks, at most 8192 values a load; deterministic
+    splits keep the whole head dim and a BLOCK_S fixed by it (Note [Deterministic splits]: the bits a
+    context-parallel merge reproduces); policy splits that fit the old config keep it, the others are read
+    up to 256 at once."""
+    from cp_attention._dispatch import next_pow2
+    from cp_attention.ops.split_kv import combine_launch_config
+
+    full = next_pow2(head_dim)
+    for n in (None, 1, 2, 16, 33, 64, 65, 131, 256, 1000):
+        constexprs, _, (rows, chunks) = combine_launch_config(4, 1, head_dim, False, n)
+        block_s, block_d = constexprs["BLOCK_S"], constexprs["BLOCK_D"]
+        assert rows == 4 and block_s * block_d <= 8192 and (chunks - 1) * block_d < head_dim <= chunks * block_d
+        if n is None:
+            assert (block_d, block_s) == (full, 8192 // full)
+        elif next_pow2(n) * full <= 8192:
+            assert (block_d, block_s, chunks) == (full, next_pow2(n), 1)
+        else:
+            assert block_s >= min(n, 256) and block_d >= 32, (n, constexprs)
+
+
 EDGE_LENS = [1, BN - 1, BN, BN + 1, 2 * BN - 1, 2 * BN + 1, 4 * BN - 1, 4 * BN + 1, 5 * BN]
 
 
