@@ -233,7 +233,8 @@ def _combine_kernel(
         b_o, b_lse = add_sink(b_o, b_lse, tl.load(SINKS + o_h * stride_sink, mask=m_g, other=0.0))
     p_out = O + i_b64 * stride_ob + (o_q * stride_oq + o_h * stride_oh)[:, None] + o_d[None, :]
     tl.store(p_out, b_o.to(O.dtype.element_ty), mask=m_g[:, None] & m_d[None, :])
-    tl.store(LSE + i_b64 * stride_lb + o_q * stride_lq + o_h * stride_lh, b_lse, mask=m_g & (o_g * 0 + i_d == 0))
+    if i_d == 0:  # the lse once a row, from the first chunk of the head dim
+        tl.store(LSE + i_b64 * stride_lb + o_q * stride_lq + o_h * stride_lh, b_lse, mask=m_g)
     if PDL and not TRIGGER_EARLY:
         gdc_launch_dependents()
 

@@ -55,8 +55,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.runtime.jit import constexpr_function
 
-from ._state import (LN2, finalize, kv_bases, lazy_running_max, score_scales, split_range, table_entries,
-                     take_weights)
+from ._state import (LN2, finalize, fp16_query, kv_bases, lazy_running_max, score_scales, split_range,
+                     table_entries, take_weights)
 
 # Triton 3.6's names of the cp.async copy and the CTA barrier; later versions call them async_load and
 # barrier (same arguments)
@@ -251,21 +251,19 @@ def _split_kv_fp8_kernel(
                     IS_PAGED, KEY_PAGES)
 
     # the query rows (token r // G, head h G + r % G, as split_kv.row_heads), head dim in the keys' byte order,
-    # scaled into fp16 as _state.fp16_query does (Note [Attention states inside kernels], FP8); written out here
-    # because the helpers' forms compile to other code for these layouts (not re-measured on the GPU)
+    # scaled into fp16 (_state.fp16_query; Note [Attention states inside kernels], FP8)
     o_qr = gl.arange(0, M, layout=gl.SliceLayout(1, a_l))
     o_qk = gl.arange(0, D, layout=gl.SliceLayout(0, a_l))
     q_byte = (o_qk & 1) + 2 * ((o_qk >> 3) & 1) + 4 * (o_qk >> 4) + 32 * ((o_qk >> 1) & 3)
     q_tok = (o_qr // GROUP_SIZE).to(gl.int64)
     q_head = i_h64 * GROUP_SIZE + o_qr % GROUP_SIZE
     q = gl.load(Q + i_b64 * stride_qb + (q_tok * stride_qq + q_head * stride_qh)[:, None] + q_byte[None, :],
-                mask=(o_qr < ROWS)[:, None], other=0.0).to(gl.float32)
+                mask=(o_qr < ROWS)[:, None], other=0.0)
     qk_scale, vs = score_scales(sm_scale, cap, K_SCALE, V_SCALE, k_scale, v_scale, i_h64, stride_ksh, stride_vsh,
                                 SOFTCAP, KV_SCALE)
-    e = (gl.max(gl.abs(q), 1).to(gl.int32, bitcast=True) >> 23) - 127
-    e = gl.minimum(gl.maximum(e, -100), 127)
-    q = (q * (((140 - e) << 23).to(gl.float32, bitcast=True))[:, None]).to(gl.float16)
-    qk_scale = gl.convert_layout(qk_scale * ((114 + e) << 23).to(gl.float32, bitcast=True), row_l)[:, None]
+    q, qk_scale = fp16_query(q, qk_scale, KV_SCALE)
+    if Q.dtype.element_ty == gl.bfloat16:  # a scale per row, beside the scores'
+        qk_scale = gl.convert_layout(qk_scale, mma)
 
     o_r = gl.arange(0, M, layout=row_l)
     if IS_CAUSAL:  # row i sees the positions < seq_len - Q_ROWS + 1 + i // G
