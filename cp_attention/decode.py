@@ -33,7 +33,7 @@ from ._constants import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, LOG2E
 from ._dispatch import use_triton
 from ._validate import (check_bool, check_head_dim, check_index_tensor, check_int, check_kv_layout, check_kv_scales,
                         check_sm_scale, check_tensor, check_unit_stride, check_variants)
-from .heuristics import (FP8_ONE_WARP, FP8_ONE_WARP_FEW, FP8_ONE_WARP_LONG, DecodePlan, decode_plan,
+from .heuristics import (FP8_ONE_WARP, ONE_WARP_CONFIGS, ONE_WARP_MAX_ROWS, DecodePlan, decode_plan,
                          deterministic_plan, num_sms, one_warp_fp8, one_warp_plan, use_pdl)
 from .state import AttentionState
 
@@ -194,8 +194,7 @@ def _prepare(q, k, v, seq_lens, block_table, row_limits, sinks, scales, num_spli
     b, hq, d = q.shape[0], q.shape[-2], q.shape[-1]
     multi = q.dim() == 4
     rows = geo.q_rows * (hq // geo.hkv)
-    # the domain of the one-warp FP8 kernel beyond dtype and shapes (Note [One-warp FP8 tiles])
-    plain = window_left is None and not softcap and sinks is None and row_limits is None and split_size is None
+    plain = split_size is None  # the domain of the one-warp FP8 kernel beyond dtype and shapes (one_warp_fp8)
     if split_size is not None:
         plan = deterministic_plan(geo.t_max, d, q.dtype, split_size)
     elif plan is None:
@@ -204,7 +203,9 @@ def _prepare(q, k, v, seq_lens, block_table, row_limits, sinks, scales, num_spli
         reach = geo.t_max if window_left is None else min(geo.t_max, window_left + geo.q_rows)
         reach = reach if span is None else min(reach, span)
         if one_warp_fp8(q.device, k.dtype, d, rows, reach, plain, geo.page_size):
-            plan = one_warp_plan(b, geo.hkv, reach, num_sms(q.device), num_splits, geo.page_size)
+            # its splits start on a whole tile below the first position (up to 31 more keys)
+            reach = reach if window_left is None and row_limits is None else min(geo.t_max, reach + 31)
+            plan = one_warp_plan(b, geo.hkv, reach, num_sms(q.device), num_splits, geo.page_size, -(-rows // 16))
         else:
             plan = decode_plan(b, geo.hkv, reach, d, q.dtype, num_sms(q.device), num_splits, kv_dtype=k.dtype,
                                page_size=geo.page_size, aligned=window_left is None and row_limits is None, rows=rows)
@@ -218,15 +219,15 @@ def _prepare(q, k, v, seq_lens, block_table, row_limits, sinks, scales, num_spli
         causal=geo.q_rows > 1 and row_limits is None, row_limits=row_limits is not None, kv_scale=geo.kv_scale,
         window=window_left is not None and row_limits is None, softcap=softcap, sinks=sinks is not None, pdl=pdl)
     kernel = _split_kv_kernel
-    if plan.config in (FP8_ONE_WARP, FP8_ONE_WARP_LONG, FP8_ONE_WARP_FEW):
+    if plan.config in ONE_WARP_CONFIGS:
         if not (one_warp_fp8(q.device, k.dtype, d, rows, geo.t_max, plain, geo.page_size)
                 and plan.page_tiles == (geo.page_size > 0 and geo.page_size % plan.config.block_n == 0)
                 and (plan.page_tiles or not geo.page_size or plan.config == FP8_ONE_WARP)
                 and not plan.split_pages and plan.streams == 1):
-            raise ValueError("plan: the one-warp FP8 configs run an FP8 cache of head dim 128 and more than 512 "
-                             "positions read by at most 16 query rows per KV head, dense or paged (page_tiles where "
-                             "a page holds whole tiles, else 16-key tiles with an entry a key), without window, "
-                             "softcap, sinks or split_size, on an sm_90 GPU")
+            raise ValueError(f"plan: the one-warp FP8 configs run an FP8 cache of head dim 128 and more than 512 "
+                             f"positions read by at most {ONE_WARP_MAX_ROWS} query rows per KV head, dense or paged "
+                             f"(page_tiles where a page holds whole tiles, else 16-key tiles with an entry a key), "
+                             f"without split_size, on an sm_90 GPU")
         from .ops.split_kv_fp8 import _split_kv_fp8_kernel
         kernel, constexprs = _split_kv_fp8_kernel, dict(constexprs, NUM_STAGES=plan.config.num_stages)
     grid = (b * geo.hkv * tiling.n_rt, plan.num_splits)
@@ -249,7 +250,7 @@ def _prepare(q, k, v, seq_lens, block_table, row_limits, sinks, scales, num_spli
         work = export_floats(b, geo.hkv, tiling, d, plan.num_splits)
         c_constexprs, c_options, c_grid = combine_launch_config(
             hq // geo.hkv, geo.q_rows, d, sinks is not None, None if plan.deterministic else plan.num_splits, pdl,
-            plan.config.programs > 1)
+            plan.config.programs > 1, tiling.block_h)
         combine = Launcher(_combine_kernel, (grid[0], *c_grid), c_constexprs, device=cuda,
                            static=(plan.num_splits, geo.hkv, *o_strides, *lse_strides, sink_stride), **c_options)
     return _Prepared(launcher, combine, cuda, q.device, tuple(q.shape), q.dtype, o_like_q, lse_shape,

@@ -23,7 +23,8 @@ from typing import NamedTuple
 import torch
 
 __all__ = ["num_splits", "num_sms", "use_pdl", "one_warp_fp8", "one_warp_plan", "DecodeConfig", "DecodePlan",
-           "FOUR_PER_SM", "FP8_TWO_WARPS", "FP8_ONE_WARP", "FP8_ONE_WARP_LONG", "FP8_ONE_WARP_FEW", "FP8_TABLE_LOOP",
+           "FOUR_PER_SM", "FP8_TWO_WARPS", "FP8_ONE_WARP", "FP8_ONE_WARP_LONG", "FP8_ONE_WARP_FEW", "ONE_WARP_CONFIGS",
+           "FP8_TABLE_LOOP",
            "WIDE_HEADS", "WIDE_PAGES", "WIDE_FP8", "WIDE_FP8_TABLE_LOOP", "decode_config", "decode_plan",
            "deterministic_plan", "PrefixConfig", "PrefixPlan", "prefix_config", "prefix_plan", "REFERENCE_SMS"]
 
@@ -93,17 +94,17 @@ def one_warp_fp8(device: torch.device, kv_dtype: torch.dtype, head_dim: int, row
                  plain: bool, page_size: int = 0) -> bool:
     """Whether a decode runs the one-warp FP8 kernel (``ops/split_kv_fp8.py``, Note [One-warp FP8 tiles]),
     planned with :func:`one_warp_plan`: an FP8 cache of head dim 128 and more than 512 positions, dense or in
-    pages of any size (``page_size``; 0: dense), query tiles of at most 16 rows (query rows x GQA group), on
-    a CUDA device of compute capability 9.x (the sm_90 kernel it was written and measured for; a Gluon kernel
-    has no interpreter path), unless the environment sets ``CP_ATTENTION_ONE_WARP=0`` (read once per
-    device). ``plain``: no window, softcap, sinks, row limits, deterministic splits or given plan (the rest of
-    the split kernel's domain, which the Triton kernel keeps).
+    pages of any size (``page_size``; 0: dense), at most :data:`ONE_WARP_MAX_ROWS` query rows per KV head
+    (query rows x GQA group, in row tiles of 16), on a CUDA device of compute capability 9.x (the sm_90 kernel
+    it was written and measured for; a Gluon kernel has no interpreter path), unless the environment sets
+    ``CP_ATTENTION_ONE_WARP=0`` (read once per device). ``plain``: no deterministic splits and no given plan
+    (which the Triton kernel keeps); windows, softcaps, sinks and row limits run here too.
 
     >>> one_warp_fp8(torch.device("cpu"), torch.float8_e4m3fn, 128, 4, 131072, True)
     False
     """
-    if not (plain and device.type == "cuda" and kv_dtype.itemsize == 1 and head_dim == 128 and rows <= 16
-            and t_max > 512) or os.environ.get("TRITON_INTERPRET") == "1":
+    if not (plain and device.type == "cuda" and kv_dtype.itemsize == 1 and head_dim == 128
+            and rows <= ONE_WARP_MAX_ROWS and t_max > 512) or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     use = _SM90.get(device)
     if use is None:
@@ -114,14 +115,20 @@ def one_warp_fp8(device: torch.device, kv_dtype: torch.dtype, head_dim: int, row
 
 
 def one_warp_plan(batch: int, num_kv_heads: int, t_max: int, num_sms: int, splits: int | None = None,
-                  page_size: int = 0) -> DecodePlan:
+                  page_size: int = 0, row_tiles: int = 1) -> DecodePlan:
     """The plan of the one-warp FP8 kernel (:func:`one_warp_fp8`): one wave of :data:`FP8_ONE_WARP`'s eight
     programs per SM (or ``splits``); where the pages, if any, hold whole 32-key tiles, in
     :data:`FP8_ONE_WARP_LONG`'s 32-key tiles (the same splits) where such a split holds more than
     :data:`LONG_SPLIT_KEYS` positions, and in one wave of :data:`FP8_ONE_WARP_FEW`'s four programs per SM (or
     ``splits``) where it holds at most :data:`FEW_SPLIT_KEYS`. A paged cache (``page_size`` > 0) gets the dense
     plan's splits, with one block-table entry read a tile where a page holds whole tiles (``page_tiles``: pages
-    of a multiple of 16), else one a key.
+    of a multiple of 16), else one a key. ``row_tiles``: programs per (sequence, KV head) for its query rows
+    (16 a program), counted in the wave like KV heads; several take :data:`FP8_ONE_WARP_LONG`'s 32-key tiles
+    at eight programs per SM where the pages allow, whatever the split's length (each SM reads a split's
+    K/V once per row tile; H200, e4m3, 32/8/128, 20 and 32 rows, graph µs, eight in 32-key tiles / four in
+    32-key tiles / eight in 16-key tiles: B=1 T=128k 117.2 / 129.5 / 127.1 and 126.7 / 134.1 / 139.3, B=4
+    T=32k 128.2 / 139.4 / 141.4 at 32 rows, B=16 T=32k 427.4 / 472.5 / 506.8; benchmarks/NOTES.md,
+    twenty-second round).
 
     >>> [one_warp_plan(1, 8, t, 132)[:3] for t in (131072, 1 << 20)]  # doctest: +NORMALIZE_WHITESPACE
     [(DecodeConfig(block_n=32, num_warps=1, num_stages=3, programs=4, maxnreg=0), 66, 63),
@@ -134,14 +141,14 @@ def one_warp_plan(batch: int, num_kv_heads: int, t_max: int, num_sms: int, split
     [(DecodeConfig(block_n=16, num_warps=1, num_stages=3, programs=8, maxnreg=0), 131, 63),
      (DecodeConfig(block_n=32, num_warps=1, num_stages=3, programs=4, maxnreg=0), 66, 63)]
     """
-    plan = decode_plan(batch, num_kv_heads, t_max, 128, torch.bfloat16, num_sms, splits, FP8_ONE_WARP,
-                       torch.float8_e4m3fn)
+    heads = num_kv_heads * row_tiles
+    plan = decode_plan(batch, heads, t_max, 128, torch.bfloat16, num_sms, splits, FP8_ONE_WARP, torch.float8_e4m3fn)
     keys = plan.tiles_per_split * FP8_ONE_WARP.block_n
-    if page_size % FP8_ONE_WARP_LONG.block_n == 0 and keys > LONG_SPLIT_KEYS:
-        plan = decode_plan(batch, num_kv_heads, t_max, 128, torch.bfloat16, num_sms, plan.num_splits,
-                           FP8_ONE_WARP_LONG, torch.float8_e4m3fn)
+    if page_size % FP8_ONE_WARP_LONG.block_n == 0 and (keys > LONG_SPLIT_KEYS or row_tiles > 1):
+        plan = decode_plan(batch, heads, t_max, 128, torch.bfloat16, num_sms, plan.num_splits, FP8_ONE_WARP_LONG,
+                           torch.float8_e4m3fn)
     elif page_size % FP8_ONE_WARP_FEW.block_n == 0 and keys <= FEW_SPLIT_KEYS:
-        plan = decode_plan(batch, num_kv_heads, t_max, 128, torch.bfloat16, num_sms, splits, FP8_ONE_WARP_FEW,
+        plan = decode_plan(batch, heads, t_max, 128, torch.bfloat16, num_sms, splits, FP8_ONE_WARP_FEW,
                            torch.float8_e4m3fn)
     return plan._replace(page_tiles=page_size > 0 and page_size % plan.config.block_n == 0)
 
@@ -246,6 +253,11 @@ LONG_SPLIT_KEYS = 4096
 # deeper rings slower at 128k (benchmarks/NOTES.md, twenty-first round)
 FP8_ONE_WARP_FEW = DecodeConfig(32, 1, 3, programs=4)
 FEW_SPLIT_KEYS = 2048
+ONE_WARP_CONFIGS = (FP8_ONE_WARP, FP8_ONE_WARP_LONG, FP8_ONE_WARP_FEW)
+# The most query rows per KV head (query rows x GQA group) that the one-warp kernel takes, in row tiles of 16
+# (each tile a program that reads the split's K/V; the tiles of a split run in the same wave, so the second
+# read mostly hits L2)
+ONE_WARP_MAX_ROWS = 32
 # FP8 page pools read one table entry per key: the same tiles in five stages, which Triton's pipeliner turns
 # into two K/V tiles in flight beside the table load's stage (three or four stages: one; sm_90, 232-255
 # registers, 40-46 KB, four programs per SM)

@@ -171,14 +171,20 @@ def test_one_warp_fp8_tiles_reach_the_tensor_cores_without_a_layout_change(repor
     """Note [One-warp FP8 tiles]: the K/V tiles enter shared memory by 16-byte ``cp.async`` only and leave it
     by 16-byte loads straight into the ``mma`` operands: no other shared store, no narrower shared load (a
     layout change through shared memory would add both), no cross-warp barrier beyond the ring's; PDL's wait
-    comes first and the release after the loop; eight programs fit an SM without spills."""
+    comes first and the release after the loop; after it, the output goes through shared memory in 16-byte
+    pieces and out in 16-byte stores; eight programs fit an SM without spills."""
     specs = [s for s in report["specs"] if s["kernel"] == "_split_kv_fp8_kernel"]
     assert len(specs) >= 4
     for s in specs:
-        ptx = s["ptx"]
         assert s["num_warps"] == 1 and s["local"] == 0 and s["programs"] == 8, s["id"]
+        assert s["ptx"].index("griddepcontrol.wait") < s["ptx"].index("griddepcontrol.launch_dependents"), s["id"]
+        ptx, out = s["ptx"].split("griddepcontrol.launch_dependents")
         assert "cp.async.cg.shared.global" in ptx and "mma.sync.aligned.m16n8k16" in ptx, s["id"]
         assert "st.shared" not in ptx, s["id"]
         loads = re.findall(r"ld\.shared\.(\S+)", ptx)
         assert loads and all(w.startswith("v4.b32") or w.startswith("v4.u32") for w in loads), (s["id"], set(loads))
-        assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents"), s["id"]
+        assert set(re.findall(r"st\.shared\.(\S+)", out)) == {"v4.b32"}, s["id"]
+        c = s["constexprs"]
+        if c["Q_ROWS"] * c["GROUP_SIZE"] % 4 == 0:  # 16-byte aligned rows (odd row counts misalign the slots)
+            scalar, vector = (len(re.findall(rf"st\.global\.{w}", out)) for w in ("b32", "v[24]\.b32"))
+            assert vector and scalar <= 2, (s["id"], scalar, vector)  # the scalars: the lse

@@ -655,6 +655,79 @@ def test_one_warp_fp8_kernel_against_the_dequantised_oracle(dtype8, per_head, la
     torch.testing.assert_close(got.lse, other.lse, atol=1e-4, rtol=1e-5)
 
 
+ONE_WARP_VARIANTS = [
+    # (name, fp8 dtype, layout, Q rows, Hq, Hkv, num_splits, page size, window, softcap, sinks, row limits)
+    ("window", torch.float8_e4m3fn, "HND", 1, 32, 8, None, 0, 700, None, False, False),
+    ("window-causal-pages16", torch.float8_e5m2, "NHD", 4, 16, 4, None, 16, 1000, None, False, False),
+    ("window-pages1", torch.float8_e4m3fn, "NHD", 2, 16, 4, 3, 1, 600, None, True, False),
+    ("softcap-sinks-direct", torch.float8_e4m3fn, "HND", 2, 16, 4, 1, 0, None, 30.0, True, False),
+    ("softcap-sinks-split", torch.float8_e5m2, "HND", 1, 32, 8, None, 64, None, 20.0, True, False),
+    ("row-limits-pages1", torch.float8_e4m3fn, "NHD", 3, 24, 8, None, 1, None, None, False, True),
+    ("row-limits-32rows-pages64", torch.float8_e5m2, "HND", 4, 32, 4, None, 64, None, None, False, True),
+    ("20-rows", torch.float8_e4m3fn, "HND", 5, 16, 4, None, 0, None, None, False, False),
+    ("32-rows-window", torch.float8_e4m3fn, "NHD", 2, 64, 4, 5, 0, 900, 25.0, True, False),
+    ("24-rows-direct-pages32", torch.float8_e5m2, "HND", 3, 16, 2, 1, 32, None, None, False, False),
+]
+
+
+@pytest.mark.parametrize("name,dtype8,layout,q_rows,hq,hkv,splits,page,window,softcap,sinks,limits", ONE_WARP_VARIANTS,
+                         ids=[c[0] for c in ONE_WARP_VARIANTS])
+def test_one_warp_fp8_variants_against_the_dequantised_oracle(monkeypatch, name, dtype8, layout, q_rows, hq, hkv,
+                                                              splits, page, window, softcap, sinks, limits):
+    """The one-warp kernel's windows (splits from a whole tile below the first position), softcaps, sinks
+    (written directly, or added by the combine), row limits (a context-parallel rank's rows: nondecreasing
+    first positions, some rows empty) and row tiles (more than 16 query rows per KV head, a program per 16),
+    dense and in shuffled page pools, against the float64 oracle on the dequantised cache and against the
+    Triton kernel on the same call; the one-warp kernel is checked to have run."""
+    from cp_attention import decode, quantize_kv
+    from cp_attention.ops import _launch
+
+    torch.manual_seed(hash(name) % 1000)
+    b, t, d = 4, -(-5003 // max(page, 1)) * max(page, 1), 128
+    q = torch.randn(b, q_rows, hq, d, device="cuda", dtype=torch.bfloat16) * 2
+    k8, v8, ks, vs = quantize_kv(torch.randn(b, hkv, t, d, device="cuda"), torch.randn(b, hkv, t, d, device="cuda"),
+                                 dtype8, per_head=True)
+    sl = torch.tensor([t, 2, 0, 2065], device="cuda", dtype=torch.int32)
+    past = torch.arange(t, device="cuda")[None, :] >= sl[:, None].long()
+    for x8 in (k8, v8):  # garbage past each length: FP8 NaN
+        x8.view(torch.uint8).masked_fill_(past[:, None, :, None], 0x7F)
+    kd, vd = (x.double().nan_to_num() * sc.double().view(1, -1, 1, 1) for x, sc in ((k8, ks), (v8, vs)))
+    kw = dict(window_left=window, logit_softcap=softcap)
+    if sinks:
+        kw["sinks"] = torch.linspace(-2.0, 3.0, hq, device="cuda")
+    ref_kw = dict(kw)
+    if limits:  # each row's (first, end): firsts nondecreasing over the rows, as a CP rank's; some rows empty
+        first = torch.sort(torch.randint(0, 2100, (b, q_rows), device="cuda"), dim=1).values
+        end = first + torch.randint(-50, 3000, (b, q_rows), device="cuda")
+        rl = torch.stack([first, end], -1).int()
+        kw["_row_limits"], ref_kw["row_limits"] = rl, rl
+    ref = attention(q.double(), kd, vd, sl, **ref_kw)
+    if page:
+        kc, vc, table = shuffled_nhd_pools(k8, v8, page, layout)
+        kw["block_table"] = table
+    else:
+        kc, vc = (k8, v8) if layout == "HND" else (k8.transpose(1, 2).contiguous(), v8.transpose(1, 2).contiguous())
+    kernels = []
+    init = _launch.Launcher.__init__
+    monkeypatch.setattr(_launch.Launcher, "__init__",
+                        lambda self, kernel, *a, **o: (kernels.append(kernel.__name__), init(self, kernel, *a, **o))[1])
+    monkeypatch.setattr(decode, "_PREPARED", {})
+    monkeypatch.setattr(decode, "_LAST", (None, None))
+    out = (torch.full_like(q, float("nan")), torch.full(q.shape[:-1], float("nan"), device="cuda"))
+    got = flash_decode(q, kc, vc, sl, kv_layout=layout, k_scale=ks, v_scale=vs, num_splits=splits, out=out,
+                       return_lse=True, **kw)
+    assert kernels[0] == "_split_kv_fp8_kernel", kernels
+    assert_state_matches(got, ref, torch.bfloat16)
+    seen = torch.isfinite(ref.lse)
+    assert seen.any()
+    torch.testing.assert_close(got.lse.double()[seen], ref.lse[seen], atol=5e-5, rtol=0)
+    two = decode_plan(b, hkv, t, d, q.dtype, num_sms(q.device), splits, config=FP8_TWO_WARPS)._replace(streams=1)
+    other = flash_decode(q, kc, vc, sl, kv_layout=layout, k_scale=ks, v_scale=vs, return_lse=True, plan=two, **kw)
+    assert "_split_kv_kernel" in kernels, kernels
+    torch.testing.assert_close(got.o, other.o, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(got.lse, other.lse, atol=1e-4, rtol=1e-5)
+
+
 def test_one_warp_fp8_graph_replay_with_new_q_and_seq_lens():
     from cp_attention import quantize_kv
 

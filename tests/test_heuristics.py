@@ -208,7 +208,7 @@ def test_prefix_policy():
 def test_one_warp_fp8_domain_and_plan(monkeypatch):
     """Note [One-warp FP8 tiles]: only CUDA devices of compute capability 9 run the Gluon kernel (never the
     CPU or the interpreter), for FP8 caches of head dim 128 and more than 512 positions, dense or paged, read
-    by at most 16 query rows; its plan is one wave of eight one-warp programs per SM (of four in 32-key tiles
+    by at most 32 query rows (in row tiles of 16); its plan is one wave of eight one-warp programs per SM (of four in 32-key tiles
     where the eight's splits hold at most 2048 positions), the dense cache's splits for a paged one (one table
     entry a tile where pages hold whole tiles), in 32-key tiles only where pages hold them."""
     e4m3 = torch.float8_e4m3fn
@@ -218,8 +218,9 @@ def test_one_warp_fp8_domain_and_plan(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert one_warp_fp8(cuda, e4m3, 128, 4, 131072, True)
     assert one_warp_fp8(cuda, torch.float8_e5m2, 128, 16, 513, True)
+    assert one_warp_fp8(cuda, e4m3, 128, 32, 131072, True)  # two row tiles
     for args in [(torch.bfloat16, 128, 4, 131072, True), (e4m3, 256, 4, 131072, True), (e4m3, 64, 4, 131072, True),
-                 (e4m3, 128, 17, 131072, True), (e4m3, 128, 4, 512, True), (e4m3, 128, 4, 131072, False)]:
+                 (e4m3, 128, 33, 131072, True), (e4m3, 128, 4, 512, True), (e4m3, 128, 4, 131072, False)]:
         assert not one_warp_fp8(cuda, *args), args
     for page in (1, 8, 16, 24, 32, 48, 64, 256, 1024):
         assert one_warp_fp8(cuda, e4m3, 128, 4, 131072, True, page)
@@ -238,6 +239,11 @@ def test_one_warp_fp8_domain_and_plan(monkeypatch):
     assert one_warp_plan(1, 8, 1 << 20, 132, splits=7)[:3] == (FP8_ONE_WARP_LONG, 7, 4682)
     assert one_warp_plan(1, 8, 131072, 132, splits=7)[:3] == (FP8_ONE_WARP_LONG, 7, 586)
     assert one_warp_plan(1, 8, 131072, 132, splits=200)[:3] == (FP8_ONE_WARP_FEW, 196, 21)
+    for (b, t), page in itertools.product(long_tiles, (0, 16, 64)):  # row tiles: in the wave like KV heads,
+        plan = one_warp_plan(b, 8, t, 132, page_size=page, row_tiles=2)  # eight programs an SM, 32-key tiles
+        eight = decode_plan(b, 16, t, 128, torch.bfloat16, 132, None, FP8_ONE_WARP, e4m3)
+        assert plan.num_splits == eight.num_splits and plan.config == (FP8_ONE_WARP if page == 16 else
+                                                                       FP8_ONE_WARP_LONG), (b, t, page, plan)
     for (b, t), page in itertools.product(long_tiles, (1, 8, 16, 24, 48, 64)):
         dense, paged = one_warp_plan(b, 8, t, 132), one_warp_plan(b, 8, t, 132, page_size=page)
         eight = decode_plan(b, 8, t, 128, torch.bfloat16, 132, None, FP8_ONE_WARP, e4m3)

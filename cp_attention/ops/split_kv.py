@@ -83,8 +83,8 @@ from ._launch import pdl_options
 from ._state import (add_sink, attend_tiles, fp16_query, kv_bases, merge_tile, score_scales, seq_length,
                      split_range)
 from .._dispatch import next_pow2
-from ..heuristics import (FOUR_PER_SM, FP8_TABLE_LOOP, FP8_TWO_WARPS, WIDE_FP8, WIDE_FP8_TABLE_LOOP, WIDE_HEADS,
-                          WIDE_PAGES, DecodeConfig, decode_config)
+from ..heuristics import (FOUR_PER_SM, FP8_TABLE_LOOP, FP8_TWO_WARPS, ONE_WARP_CONFIGS, WIDE_FP8, WIDE_FP8_TABLE_LOOP,
+                          WIDE_HEADS, WIDE_PAGES, DecodeConfig, decode_config)
 
 
 @triton.jit
@@ -248,11 +248,12 @@ class RowTiling(NamedTuple):
     rows_t: int
 
 
-def row_tiling(q_rows: int, group: int, paired: bool = False) -> RowTiling:
-    """Tiles of at most 64 rows (16 at least: the smallest ``tl.dot`` tile; 8 for ``paired`` rows, which the
-    kernel doubles: Note [FP8 values in pairs])."""
+def row_tiling(q_rows: int, group: int, paired: bool = False, max_rows: int = 64) -> RowTiling:
+    """Tiles of at most ``max_rows`` rows (64; the one-warp FP8 kernel's 16: :func:`kernel_rows`), 16 at least
+    (the smallest ``tl.dot`` tile; 8 for ``paired`` rows, which the kernel doubles: Note [FP8 values in
+    pairs])."""
     rows = q_rows * group
-    block_h = max(8 if paired else 16, min(64, next_pow2(rows)))
+    block_h = max(8 if paired else 16, min(max_rows, next_pow2(rows)))
     return RowTiling(block_h, -(-rows // block_h), min(rows, block_h))
 
 
@@ -283,8 +284,9 @@ def split_kv_launch_config(dtype, group: int, q_rows: int, head_dim: int, plan, 
     device of compute capability 9 or more, never the interpreter).
     """
     paired = pairs_values(plan.config, kv_scale, q_rows * group)
-    tiling = row_tiling(q_rows, group, paired)
+    tiling = row_tiling(q_rows, group, paired, kernel_rows(plan.config))
     export = exports(plan)
+    one_warp = plan.config in ONE_WARP_CONFIGS  # its splits start on a whole tile (Note [One-warp FP8 tiles])
     if plan.streams > 1 and (page_size or tiling.block_h != 16 or plan.config.block_n % (16 * plan.streams)):
         raise ValueError(f"plan: {plan.streams} key streams need a dense cache, query tiles of 16 rows and "
                          f"tiles of a multiple of {16 * plan.streams} keys")
@@ -298,9 +300,15 @@ def split_kv_launch_config(dtype, group: int, q_rows: int, head_dim: int, plan, 
                       EXPORT=export, **dot_flags(dtype),
                       SPLIT_PAGES=0 if window or row_limits or not page_size else plan.split_pages, PDL=pdl,
                       STREAMS=plan.streams, PAGE_GATHER=page_gather(plan.config, page_size),
-                      PAGE_TILES=plan.page_tiles and page_size > 0 and not (window or row_limits),
+                      PAGE_TILES=plan.page_tiles and page_size > 0 and (one_warp or not (window or row_limits)),
                       PAIR_V=plan.config.num_warps if paired else 0)
     return constexprs, split_kv_options(plan.config, pdl), tiling
+
+
+def kernel_rows(config) -> int:
+    """The most query rows a program of ``config`` takes: 16 for the one-warp FP8 kernel (one ``m16n8k16`` row
+    block; more rows run as more row tiles, Note [One-warp FP8 tiles]), else 64."""
+    return 16 if config in ONE_WARP_CONFIGS else 64
 
 
 def pairs_values(config, kv_scale: int, rows: int) -> bool:
@@ -333,7 +341,7 @@ def split_kv_options(config, pdl: bool) -> dict:
 
 
 def combine_launch_config(group: int, q_rows: int, head_dim: int, sinks: bool, num_splits: int | None = None,
-                          pdl: bool = False, packed: bool = False):
+                          pdl: bool = False, packed: bool = False, max_rows: int = 64):
     """``(constexprs, launch options, (rows, d_chunks))`` of ``_combine_kernel``, launched on a grid ``(B * Hkv *
     n_rt, rows, d_chunks)``: one program per query row and chunk of the head dim, ``BLOCK_S`` states per load
     (at most 8192 fp32 in registers, 64 per thread). ``num_splits`` None: the deterministic splits, whose
@@ -341,7 +349,8 @@ def combine_launch_config(group: int, q_rows: int, head_dim: int, sinks: bool, n
     else ``num_splits`` (rounded up to a power of two, at most 256) at once, in ``d_chunks`` chunks of the head
     dim of at least 32 where the whole head dim does not fit (Note [Level 2 in its own kernel]). ``packed``:
     the split kernel's config packs several programs per SM (``DecodeConfig.programs``), so the combine lets
-    the next kernel launch only after its stores (Note [Programmatic dependent launch]). Its arguments: the
+    the next kernel launch only after its stores (Note [Programmatic dependent launch]). ``max_rows``: the split
+    kernel's row tiles (:func:`row_tiling`, :func:`kernel_rows`). Its arguments: the
     exported slots (fp32), ``sinks [Hq]`` (any tensor when unused), ``o``, ``lse`` as the split kernel's; the
     number of slots, ``Hkv`` and the strides.
 
@@ -353,7 +362,7 @@ def combine_launch_config(group: int, q_rows: int, head_dim: int, sinks: bool, n
      ({'GROUP_SIZE': 4, 'Q_ROWS': 1, 'HEAD_DIM': 128, 'BLOCK_H': 16, 'BLOCK_D': 32, 'BLOCK_S': 256, 'HAS_SINKS': False,
        'PDL': False, 'TRIGGER_EARLY': True}, (4, 4))]
     """
-    tiling = row_tiling(q_rows, group)
+    tiling = row_tiling(q_rows, group, max_rows=max_rows)
     block_d = next_pow2(head_dim)
     if num_splits is None:
         block_s = 8192 // block_d
@@ -376,7 +385,7 @@ def _aot_spec(group, q_rows, export, page_size=0, causal=False, row_limits=False
               streams=1, page_tiles=False):
     config = config or DecodeConfig(block_n, 4, 3)
     paired = pairs_values(config, kv_scale, q_rows * group)
-    tiling = row_tiling(q_rows, group, paired)
+    tiling = row_tiling(q_rows, group, paired, kernel_rows(config))
     return {
         "kernel": _split_kv_kernel,
         "signature": {"Q": "*bf16", "K": f"*{kv}", "V": f"*{kv}", "SEQ_LENS": "*i32", "BLOCK_TABLE": "*i32",

@@ -19,9 +19,13 @@ layouts (Gluon), one warp a program, with what Triton's ``tl.dot`` cannot expres
   ``32 t .. 32 t + 31`` of key ``g``: two 16-byte shared loads, each 32-bit word one step's operand pair
   after two ``cvt`` (no byte shuffles). ``p @ v`` writes output column ``n = g + 8 i`` from value byte
   ``16 g + i``, so lane ``(g, t)`` reads bytes ``16 g .. 16 g + 15`` of keys ``2t, 2t+1, 2t+8, 2t+9``
-  (16-byte loads; one ``PRMT`` per two value pairs interleaves two keys), and the output is stored through
-  the inverse permutation. The tiles are loaded in these register layouts (``DistributedLinearLayout``) and
-  reshaped into the operand layouts: the conversion is a renaming of registers, no shared memory.
+  (16-byte loads; one ``PRMT`` per two value pairs interleaves two keys). The tiles are loaded in these
+  register layouts (``DistributedLinearLayout``) and reshaped into the operand layouts: the conversion is a
+  renaming of registers, no shared memory. The output is renamed back into value order the same way, then
+  goes through shared memory so that each row is stored by the whole warp in 16-byte pieces: stored from the
+  accumulator's layout, each lane wrote 4-byte pieces 64 bytes apart, and at B=1 T=128k the ~1M such stores
+  of 16-row states at the kernel's end cost 16% of the call (H200, e4m3, graph µs: 87.2 -> 73.3; 4 rows
+  70.5 -> 69.3; benchmarks/NOTES.md, twenty-second round).
 * **``p`` stays in registers.** The scores' accumulator layout is the next ``mma``'s operand layout for
   16-bit ``p`` (as in FlashAttention-2), and with one warp a program every row reduction stays inside the
   warp (two shuffles), with no barrier in the loop beyond the ``cp.async`` ring's.
@@ -42,9 +46,15 @@ kernels]: fp16 query scaled by a power of two per row, fp16 products, ``o`` norm
 weights rounded to fp16, the lse from the sum of the weights), with the additions in another order. Its
 arguments are ``_split_kv_kernel``'s, so the launch path is shared; it runs the part of that kernel's
 domain that the plan gives it (:func:`cp_attention.heuristics.one_warp_fp8`): an FP8 cache of head dim
-128, query tiles of at most 16 rows, causal drafts, ``seq_lens``, scalar or per-head scales, exported or
-direct output; dense caches or page pools whose pages hold whole tiles (one block-table entry read a tile
-ahead of its copy); no windows, softcap, row limits or sinks.
+128, causal drafts, ``seq_lens``, scalar or per-head scales, exported or direct output, windows, softcaps,
+sinks and row limits (a context-parallel rank's rows); dense caches or page pools (one block-table entry
+read a tile ahead of its copy where a page holds whole tiles, else one a key). A program holds one tile of
+16 query rows (query rows x GQA group); more rows (up to
+:data:`~cp_attention.heuristics.ONE_WARP_MAX_ROWS`) run as more programs, one a row tile, each reading the
+split's K/V (the Triton kernel's tiles of up to 64 rows read it once, and were faster from 48 rows on). With
+a window or row limits the splits start on a whole tile below the first position any row sees (a tile then
+stays within a page), and the tiles that reach below a row's first position are masked like those that
+reach past its last.
 
 Gluon kernels have no interpreter path: on the CPU the tests compile this kernel for sm_90
 (``tests/test_aot.py``) and check the plan's choice; on the GPU they check it against the float64 oracle
@@ -55,8 +65,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.runtime.jit import constexpr_function
 
-from ._state import (LN2, finalize, fp16_query, kv_bases, lazy_running_max, score_scales, split_range,
-                     table_entries, take_weights)
+from ._state import (LN2, add_sink, capped, finalize, fp16_query, kv_bases, lazy_running_max, score_scales,
+                     seq_length, split_range, table_entries, take_weights)
 
 # Triton 3.6's names of the cp.async copy and the CTA barrier; later versions call them async_load and
 # barrier (same arguments)
@@ -128,11 +138,12 @@ def _issue_tile(s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt, stride_kp, strid
 
 
 @gluon.jit
-def _attend_tile(q, b_k, b_v, qk_scale, m_i, l_i, r_i, acc, key0, row_hi, o_key, MASKED: gl.constexpr,
-                 BLOCK_N: gl.constexpr):
+def _attend_tile(q, b_k, b_v, qk_scale, cap, m_i, l_i, r_i, acc, key0, row_lo, row_hi, o_key, MASKED: gl.constexpr,
+                 HAS_ROW_LO: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_N: gl.constexpr):
     """Fold one K/V tile (FP8, as loaded in the permuted register layouts) into the running state ``(m_i,
     l_i, r_i, acc)`` (``l`` sums the weights, ``r`` the weights rounded to fp16: ``_state.take_weights``);
-    ``MASKED``: keys ``key0 + o_key >= row_hi`` of a row are left out."""
+    ``MASKED``: keys ``key0 + o_key >= row_hi`` of a row are left out, and with ``HAS_ROW_LO`` those ``<
+    row_lo``; ``SOFTCAP``: the scores capped (``_state.capped``)."""
     D: gl.constexpr = HEAD_DIM_1W
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -140,9 +151,13 @@ def _attend_tile(q, b_k, b_v, qk_scale, m_i, l_i, r_i, acc, key0, row_hi, o_key,
     # K [BLOCK_N, byte (t1 t0 s2 s1 s0 j1 j0)] -> [kk (s2 s1 s0 j1 t1 t0 j0), key]: the operand of q . k
     k = gl.reshape(b_k.to(gl.float16), [BLOCK_N, 2, 2, 2, 2, 2, 2, 2])
     k = gl.convert_layout(gl.reshape(gl.permute(k, (3, 4, 5, 6, 1, 2, 7, 0)), [D, BLOCK_N]), b_l)
-    s = mma_v2(q, k, gl.zeros([ROWS_1W, BLOCK_N], gl.float32, layout=mma)) * qk_scale
+    s = capped(mma_v2(q, k, gl.zeros([ROWS_1W, BLOCK_N], gl.float32, layout=mma)) * qk_scale, cap, SOFTCAP)
     if MASKED:
-        s = gl.where(key0 + o_key[None, :] < row_hi[:, None], s, float("-inf"))
+        key = key0 + o_key[None, :]
+        seen = key < row_hi[:, None]
+        if HAS_ROW_LO:
+            seen = seen & (key >= row_lo[:, None])
+        s = gl.where(seen, s, float("-inf"))
     m_i, m_ref, l_i, r_i, acc = lazy_running_max(m_i, gl.max(s, 1), l_i, r_i, acc, LAZY_RESCALE)
     p, l_i, r_i = take_weights(s, m_ref, l_i, r_i, gl.float16, 1)
     # V [BLOCK_N, byte (g2 g1 g0 i3 i2 i1 i0)] -> [key, n (i3 i2 i1 i0 g2 g1 g0)]: the operand of p @ v
@@ -153,10 +168,11 @@ def _attend_tile(q, b_k, b_v, qk_scale, m_i, l_i, r_i, acc, key0, row_hi, o_key,
 
 
 @gluon.jit
-def _next_tile(q, qk_scale, s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt, stride_kp, stride_vp, p_bt, stride_btp,
-               num_pages, page, t_start, t_end, it, row_hi, o_key, m_i, l_i, r_i, acc, MASKED: gl.constexpr,
-               BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr, IS_PAGED: gl.constexpr,
-               KEY_PAGES: gl.constexpr, k_l: gl.constexpr, v_l: gl.constexpr):
+def _next_tile(q, qk_scale, cap, s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt, stride_kp, stride_vp, p_bt,
+               stride_btp, num_pages, page, t_start, t_end, it, row_lo, row_hi, o_key, m_i, l_i, r_i, acc,
+               MASKED: gl.constexpr, HAS_ROW_LO: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_N: gl.constexpr,
+               NUM_STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr, IS_PAGED: gl.constexpr, KEY_PAGES: gl.constexpr,
+               k_l: gl.constexpr, v_l: gl.constexpr):
     """Tile ``it`` of the split: start the copy of tile ``it + NUM_STAGES - 1`` (in pool pages ``page`` of a
     paged cache) into the ring stage that tile ``it - 1`` held, read the block-table entries of the tile after
     it (returned: their latency hides behind this tile), wait for tile ``it``'s copy and fold it in
@@ -169,8 +185,8 @@ def _next_tile(q, qk_scale, s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt, stri
     async_copy.wait_group(NUM_STAGES - 1)
     _barrier()
     m_i, l_i, r_i, acc = _attend_tile(q, s_k.index(it % NUM_STAGES).load(k_l), s_v.index(it % NUM_STAGES).load(v_l),
-                                      qk_scale, m_i, l_i, r_i, acc, t_start + it * BLOCK_N, row_hi, o_key, MASKED,
-                                      BLOCK_N)
+                                      qk_scale, cap, m_i, l_i, r_i, acc, t_start + it * BLOCK_N, row_lo, row_hi, o_key,
+                                      MASKED, HAS_ROW_LO, SOFTCAP, BLOCK_N)
     return m_i, l_i, r_i, acc, page
 
 
@@ -196,16 +212,19 @@ def _split_kv_fp8_kernel(
     and outputs as ``split_kv._split_kv_kernel`` (Note [Split-KV decode]), plus ``NUM_STAGES`` K/V tiles in
     the ``cp.async`` ring."""
     gl.static_assert(HEAD_DIM == HEAD_DIM_1W and BLOCK_D == HEAD_DIM_1W and BLOCK_H == ROWS_1W)
-    gl.static_assert(Q_ROWS * GROUP_SIZE <= ROWS_1W and (BLOCK_N == 16 or BLOCK_N == 32) and KV_SCALE != 0)
-    gl.static_assert(not (HAS_ROW_LIMITS or HAS_WINDOW or SOFTCAP or HAS_SINKS))
+    gl.static_assert((BLOCK_N == 16 or BLOCK_N == 32) and KV_SCALE != 0)
+    gl.static_assert(not (HAS_ROW_LIMITS and (IS_CAUSAL or HAS_WINDOW)))  # row limits replace both
     gl.static_assert(STREAMS == 1 and not PAIR_V and SPLIT_PAGES == 0 and not PAGE_GATHER)
     gl.static_assert(PAGE_TILES == (IS_PAGED and PAGE_SIZE % BLOCK_N == 0))
     KEY_PAGES: gl.constexpr = IS_PAGED and not PAGE_TILES  # pages that do not hold whole tiles: an entry a key
+    HAS_ROW_LO: gl.constexpr = HAS_WINDOW or HAS_ROW_LIMITS  # rows with a first position
     if PDL:  # Note [Programmatic dependent launch]
         _gdc("wait")
     D: gl.constexpr = HEAD_DIM_1W
     M: gl.constexpr = ROWS_1W
     ROWS: gl.constexpr = Q_ROWS * GROUP_SIZE
+    N_RT: gl.constexpr = (ROWS + M - 1) // M  # row tiles, one program each (Note [One-warp FP8 tiles])
+    ROWS_T: gl.constexpr = M if ROWS > M else ROWS  # rows of a full tile
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     row_l: gl.constexpr = gl.SliceLayout(1, mma)
@@ -219,10 +238,21 @@ def _split_kv_fp8_kernel(
 
     i_p = gl.program_id(0)
     i_s = gl.program_id(1)
-    i_b64 = (i_p // HKV).to(gl.int64)
-    i_h64 = (i_p % HKV).to(gl.int64)
+    i_bh = i_p // N_RT
+    i_rt = i_p % N_RT
+    i_b64 = (i_bh // HKV).to(gl.int64)
+    i_h64 = (i_bh % HKV).to(gl.int64)
+    # The splits tile the keys any row may see from the lowest one (as split_kv._split_kv_kernel), here rounded
+    # down to a whole tile so that a tile stays within a page; the keys below a row's first are masked.
+    if HAS_ROW_LIMITS:
+        base = gl.maximum(gl.load(ROW_LIMITS + i_b64 * stride_rlb), 0) // BLOCK_N * BLOCK_N
+    elif HAS_WINDOW:
+        base = gl.maximum(seq_length(SEQ_LENS, stride_sl, i_b64, T_MAX, HAS_SEQ_LENS) - Q_ROWS - WINDOW,
+                          0) // BLOCK_N * BLOCK_N
+    else:
+        base = 0
     seq_len, _, t_start, t_end = split_range(SEQ_LENS, stride_sl, i_b64, i_s, T_MAX, TILES_PER_SPLIT, BLOCK_N,
-                                             HAS_SEQ_LENS, 0)
+                                             HAS_SEQ_LENS, base)
 
     o_ck = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, cp_l))
     o_cd = gl.arange(0, D, layout=gl.SliceLayout(0, cp_l))
@@ -250,9 +280,9 @@ def _split_kv_fp8_kernel(
     page = _page_of(p_bt, stride_btp, t_start + (NUM_STAGES - 1) * BLOCK_N, o_ck, t_end, NUM_PAGES, PAGE_SIZE,
                     IS_PAGED, KEY_PAGES)
 
-    # the query rows (token r // G, head h G + r % G, as split_kv.row_heads), head dim in the keys' byte order,
-    # scaled into fp16 (_state.fp16_query; Note [Attention states inside kernels], FP8)
-    o_qr = gl.arange(0, M, layout=gl.SliceLayout(1, a_l))
+    # the query rows of row tile i_rt (row r: token r // G, head h G + r % G, as split_kv.row_heads), head dim in
+    # the keys' byte order, scaled into fp16 (_state.fp16_query; Note [Attention states inside kernels], FP8)
+    o_qr = i_rt * M + gl.arange(0, M, layout=gl.SliceLayout(1, a_l))
     o_qk = gl.arange(0, D, layout=gl.SliceLayout(0, a_l))
     q_byte = (o_qk & 1) + 2 * ((o_qk >> 3) & 1) + 4 * (o_qk >> 4) + 32 * ((o_qk >> 1) & 3)
     q_tok = (o_qr // GROUP_SIZE).to(gl.int64)
@@ -265,29 +295,54 @@ def _split_kv_fp8_kernel(
     if Q.dtype.element_ty == gl.bfloat16:  # a scale per row, beside the scores'
         qk_scale = gl.convert_layout(qk_scale, mma)
 
+    # Each row's keys: [row_lo, row_hi) within the split (split_kv._split_kv_kernel's rule)
     o_r = gl.arange(0, M, layout=row_l)
-    if IS_CAUSAL:  # row i sees the positions < seq_len - Q_ROWS + 1 + i // G
-        row_hi = gl.minimum(seq_len - Q_ROWS + 1 + o_r // GROUP_SIZE, t_end)
+    o_rg = i_rt * M + o_r  # the rows among the KV head's
+    m_row = o_rg < ROWS
+    o_tok = o_rg // GROUP_SIZE
+    if HAS_ROW_LIMITS:  # [B, Q, 2]: (first, end) of the positions each row sees, on this shard
+        p_rl = ROW_LIMITS + i_b64 * stride_rlb + o_tok.to(gl.int64) * stride_rlq
+        row_lo = gl.load(p_rl, mask=m_row, other=0)
+        row_hi = gl.minimum(gl.load(p_rl + stride_rlx, mask=m_row, other=0), t_end)
+    elif IS_CAUSAL:  # row i sees the positions < seq_len - Q_ROWS + 1 + i // G
+        row_hi = gl.minimum(seq_len - Q_ROWS + 1 + o_tok, t_end)
     else:
         row_hi = gl.zeros([M], gl.int32, layout=row_l) + t_end
-    t_full = t_start + (gl.maximum(gl.min(row_hi, 0) - t_start, 0) // BLOCK_N) * BLOCK_N  # unmasked tiles end
+    if HAS_WINDOW:  # and >= seq_len - Q_ROWS + i // G - WINDOW
+        row_lo = seq_len - Q_ROWS + o_tok - WINDOW
+    elif not HAS_ROW_LIMITS:
+        row_lo = row_hi  # unused
+    # tiles [0, n_lo) reach below a row's first key, [n_full, n_tiles) past a row's end; the rest are unmasked
+    n_tiles = gl.cdiv(t_end - t_start, BLOCK_N)
+    n_full = gl.maximum(gl.min(gl.where(m_row, row_hi, t_end), 0) - t_start, 0) // BLOCK_N
+    if HAS_ROW_LO:
+        n_lo = gl.minimum(gl.cdiv(gl.maximum(gl.max(gl.where(m_row, row_lo, t_start), 0) - t_start, 0), BLOCK_N),
+                          gl.maximum(n_tiles, 0))  # (n_tiles < 0: a split past the end)
+        n_full = gl.maximum(n_full, n_lo)
+    else:
+        n_lo = 0
 
     m_i = gl.full([M], float("-inf"), gl.float32, layout=row_l)
     l_i = gl.zeros([M], gl.float32, layout=row_l)
     r_i = gl.zeros([M], gl.float32, layout=row_l)
     acc = gl.zeros([M, D], gl.float32, layout=mma)
-    n_full = (t_full - t_start) // BLOCK_N
-    n_tiles = gl.cdiv(t_end - t_start, BLOCK_N)
-    for it in range(0, n_full):
-        m_i, l_i, r_i, acc, page = _next_tile(q, qk_scale, s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt, stride_kb,
-                                              stride_vb, p_bt, stride_btp, NUM_PAGES, page, t_start, t_end, it, row_hi,
-                                              o_key, m_i, l_i, r_i, acc, False, BLOCK_N, NUM_STAGES, PAGE_SIZE,
-                                              IS_PAGED, KEY_PAGES, k_l, v_l)
+    if HAS_ROW_LO:
+        for it in range(0, n_lo):
+            m_i, l_i, r_i, acc, page = _next_tile(q, qk_scale, cap, s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt,
+                                                  stride_kb, stride_vb, p_bt, stride_btp, NUM_PAGES, page, t_start,
+                                                  t_end, it, row_lo, row_hi, o_key, m_i, l_i, r_i, acc, True,
+                                                  HAS_ROW_LO, SOFTCAP, BLOCK_N, NUM_STAGES, PAGE_SIZE, IS_PAGED,
+                                                  KEY_PAGES, k_l, v_l)
+    for it in range(n_lo, n_full):
+        m_i, l_i, r_i, acc, page = _next_tile(q, qk_scale, cap, s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt,
+                                              stride_kb, stride_vb, p_bt, stride_btp, NUM_PAGES, page, t_start, t_end,
+                                              it, row_lo, row_hi, o_key, m_i, l_i, r_i, acc, False, HAS_ROW_LO,
+                                              SOFTCAP, BLOCK_N, NUM_STAGES, PAGE_SIZE, IS_PAGED, KEY_PAGES, k_l, v_l)
     for it in range(n_full, n_tiles):  # the tiles that reach a row's last key
-        m_i, l_i, r_i, acc, page = _next_tile(q, qk_scale, s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt, stride_kb,
-                                              stride_vb, p_bt, stride_btp, NUM_PAGES, page, t_start, t_end, it, row_hi,
-                                              o_key, m_i, l_i, r_i, acc, True, BLOCK_N, NUM_STAGES, PAGE_SIZE,
-                                              IS_PAGED, KEY_PAGES, k_l, v_l)
+        m_i, l_i, r_i, acc, page = _next_tile(q, qk_scale, cap, s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt,
+                                              stride_kb, stride_vb, p_bt, stride_btp, NUM_PAGES, page, t_start, t_end,
+                                              it, row_lo, row_hi, o_key, m_i, l_i, r_i, acc, True, HAS_ROW_LO,
+                                              SOFTCAP, BLOCK_N, NUM_STAGES, PAGE_SIZE, IS_PAGED, KEY_PAGES, k_l, v_l)
     async_copy.wait_group(0)
     if PDL:  # the K/V reads are done
         _gdc("launch_dependents")
@@ -296,21 +351,31 @@ def _split_kv_fp8_kernel(
     o, _ = finalize(m_i, r_i, acc, LN2)
     _, lse = finalize(m_i, l_i, acc, LN2)
     o = o * vs
-    o_n = gl.arange(0, D, layout=col_l)
-    o_byte = 16 * (o_n % 8) + o_n // 8  # output column n holds value dim 16 (n % 8) + n // 8
-    m_row = o_r < ROWS
-    if EXPORT:  # slot i_s: o [P * ROWS, D] then lse [P * ROWS] (Note [Split-KV decode])
-        n_rows = gl.num_programs(0).to(gl.int64) * ROWS
+    o_head = i_h64 * GROUP_SIZE + o_rg % GROUP_SIZE
+    if not EXPORT and HAS_SINKS:
+        o, lse = add_sink(o, lse, gl.load(SINKS + o_head * stride_sink, mask=m_row, other=0.0))
+    # Output column n holds value dim 16 (n % 8) + n // 8: renamed into value order, then each row stored by the
+    # whole warp in 16-byte pieces (through shared memory); from the accumulator's layout every lane would
+    # write 4-byte pieces 64 bytes apart
+    o = gl.reshape(gl.permute(gl.reshape(o, [M, 16, 8]), (0, 2, 1)), [M, D])
+    st_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[1, 32], warps_per_cta=[1, 1],
+                                          order=[1, 0])
+    o = gl.convert_layout(o, st_l)
+    o_sr = gl.arange(0, M, layout=gl.SliceLayout(1, st_l))
+    o_sd = gl.arange(0, D, layout=gl.SliceLayout(0, st_l))
+    m_srow = (i_rt * M + o_sr < ROWS)[:, None]
+    if EXPORT:  # slot i_s: o [P * ROWS_T, D] then lse [P * ROWS_T] (Note [Split-KV decode])
+        n_rows = gl.num_programs(0).to(gl.int64) * ROWS_T
         p_slot = WORK + i_s.to(gl.int64) * n_rows * (D + 1)
-        row0 = i_p.to(gl.int64) * ROWS
-        gl.store(p_slot + (row0 + o_r)[:, None] * D + o_byte[None, :], o, mask=m_row[:, None])
+        row0 = i_p.to(gl.int64) * ROWS_T
+        gl.store(p_slot + (row0 + o_sr)[:, None] * D + o_sd[None, :], o, mask=m_srow)
         gl.store(p_slot + n_rows * D + row0 + o_r, lse, mask=m_row)
     else:
-        o_tok = (o_r // GROUP_SIZE).to(gl.int64)
-        o_head = i_h64 * GROUP_SIZE + o_r % GROUP_SIZE
-        p_o = O + i_b64 * stride_ob + (o_tok * stride_oq + o_head * stride_oh)[:, None] + o_byte[None, :]
-        gl.store(p_o, o.to(O.dtype.element_ty), mask=m_row[:, None])
-        gl.store(LSE + i_b64 * stride_lb + o_tok * stride_lq + o_head * stride_lh, lse, mask=m_row)
+        o_stok = ((i_rt * M + o_sr) // GROUP_SIZE).to(gl.int64)
+        o_shead = i_h64 * GROUP_SIZE + (i_rt * M + o_sr) % GROUP_SIZE
+        p_o = O + i_b64 * stride_ob + (o_stok * stride_oq + o_shead * stride_oh)[:, None] + o_sd[None, :]
+        gl.store(p_o, o.to(O.dtype.element_ty), mask=m_srow)
+        gl.store(LSE + i_b64 * stride_lb + o_tok.to(gl.int64) * stride_lq + o_head * stride_lh, lse, mask=m_row)
 
 
 def _aot_spec(group, q_rows, export, long=False, **kw):
@@ -336,4 +401,10 @@ AOT_SPECS = [_aot_spec(4, 1, True, kv="fp8e4nv", kv_scale=1),
              _aot_spec(16, 1, True, kv="fp8e4nv", kv_scale=2),
              _aot_spec(5, 3, True, causal=True, kv="fp8e4nv", kv_scale=1),
              _aot_spec(4, 1, True, kv="fp8e4nv", kv_scale=1, long=True),
-             _aot_spec(4, 4, True, causal=True, kv="fp8e5", kv_scale=2, long=True)]
+             _aot_spec(4, 4, True, causal=True, kv="fp8e5", kv_scale=2, long=True),
+             _aot_spec(8, 1, False, kv="fp8e4nv", kv_scale=1, window=True, sinks=True),
+             _aot_spec(4, 4, True, causal=True, kv="fp8e4nv", kv_scale=2, window=True, softcap=True, page_size=16,
+                       page_tiles=True),
+             _aot_spec(4, 8, True, kv="fp8e4nv", kv_scale=1, row_limits=True, page_size=1),
+             _aot_spec(8, 4, True, kv="fp8e5", kv_scale=2, row_limits=True, long=True, page_size=64, page_tiles=True),
+             _aot_spec(8, 4, False, causal=True, kv="fp8e4nv", kv_scale=1, softcap=True, sinks=True)]
