@@ -34,6 +34,7 @@ if [ "$part" = one ] || [ "$part" = all ]; then
   step bench_paged_fp8 150 python3 benchmarks/bench_paged.py --sections fp8 --name bench_paged_fp8
   step bench_paged_d256 240 python3 benchmarks/bench_paged.py --sections d256 --name bench_paged_d256
   step bench_variants 60 python3 benchmarks/bench_variants.py
+  step bench_fp8_variants 120 python3 benchmarks/bench_fp8_variants.py
   step bench_merge 40 python3 benchmarks/bench_merge.py ) &
 wait
 fi
