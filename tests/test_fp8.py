@@ -354,6 +354,7 @@ def test_one_warp_kernel_takes_windows_row_limits_and_row_tiles(monkeypatch):
     monkeypatch.setattr(decode, "one_warp_fp8", sm90)
     monkeypatch.setattr(heuristics, "_SM90", {torch.device("cuda", 0): True})
     monkeypatch.setattr(decode, "_PREPARED", {})
+    monkeypatch.setattr(decode, "_LAST", (None, None))
     launches = []
     monkeypatch.setattr(_launch.Launcher, "__call__", lambda self, *args: launches.append(self))
     t, d, hkv = 3000, 128, 2
@@ -363,14 +364,14 @@ def test_one_warp_kernel_takes_windows_row_limits_and_row_tiles(monkeypatch):
         (3, 8, 600, False, None, False, 10.0, 2), (5, 16, None, False, None, False, None, 0),
         (1, 4, None, False, 512, False, None, 0), (3, 8, 333, False, None, False, None, 0)]  # 512 keys or fewer
     for q_rows, group, window, limits, split_size, sinks, softcap, row_tiles in cases:
-        q = torch.randn(1, q_rows, hkv * group, d, dtype=torch.bfloat16)
-        k8, v8, ks, vs = quantize_kv(torch.randn(1, hkv, t, d), torch.randn(1, hkv, t, d))
+        q = torch.randn(1, q_rows, hkv * group, d, dtype=torch.bfloat16, device=DEVICE)
+        k8, v8, ks, vs = quantize_kv(torch.randn(1, hkv, t, d, device=DEVICE), torch.randn(1, hkv, t, d, device=DEVICE))
         kw = dict(window_left=window, split_size=split_size, logit_softcap=softcap,
-                  sinks=torch.zeros(hkv * group) if sinks else None)
+                  sinks=torch.zeros(hkv * group, device=DEVICE) if sinks else None)
         if limits:
-            kw["_row_limits"] = torch.tensor([[[5, 1200], [41, 2999]]], dtype=torch.int32)
+            kw["_row_limits"] = torch.tensor([[[5, 1200], [41, 2999]]], dtype=torch.int32, device=DEVICE)
         launches.clear()
-        flash_decode(q, k8, v8, torch.tensor([t], dtype=torch.int32), k_scale=ks, v_scale=vs, **kw)
+        flash_decode(q, k8, v8, torch.tensor([t], dtype=torch.int32, device=DEVICE), k_scale=ks, v_scale=vs, **kw)
         split, *combine = launches
         case = (q_rows, group, window, limits, split_size)
         if not row_tiles:
