@@ -293,8 +293,8 @@ def decode_config(head_dim: int, dtype: torch.dtype, t_max: int | None = None, p
     An FP8 cache of more than 512 positions, head dim 65-128, read by query tiles of at most 32 rows
     (``rows``: query rows per KV head, Q x GQA) takes :data:`FP8_TWO_WARPS`, dense or paged (through the
     register table, ``table``, or one table entry per key). (On sm_90, ``flash_decode`` gives the caches,
-    dense or paged, of head dim 128 and at most 16 rows to the one-warp kernel instead: :func:`one_warp_fp8`,
-    :func:`one_warp_plan`.) The FP8 loop is bound by the latency of each
+    dense or paged, of head dim 128 and at most :data:`ONE_WARP_MAX_ROWS` rows to the one-warp kernel instead,
+    unless the splits are deterministic or the plan is given: :func:`one_warp_fp8`, :func:`one_warp_plan`.) The FP8 loop is bound by the latency of each
     tile's chain (the conversions' shared-memory round trips, cross-warp reductions), not by bytes or
     issue: two warps a program halve the cross-warp work and four programs per SM overlap the chains.
     H200, graph µs, e4m3, dense: B=1 T=128k 77.3 against 86.4 with 128 x 4 x 3, B=64 T=8k 301.5 against

@@ -391,7 +391,10 @@ def _aot_spec(group, q_rows, export, long=False, **kw):
 # sm_90 compiles checked on the CPU by tests/test_aot.py: GQA 4 split (e4m3, scalar scales; dense and on pages of 16),
 # four causal rows of GQA 4 split on pages of 64 in 32-key tiles (e5m2, per-head scales), four causal rows of GQA 4
 # written directly (e5m2, per-head scales), GQA 16 split (e4m3, per-head), three causal rows of GQA 5 split; in
-# 32-key tiles, GQA 4 split (e4m3) and four causal rows of GQA 4 (e5m2, per-head scales)
+# 32-key tiles, GQA 4 split (e4m3) and four causal rows of GQA 4 (e5m2, per-head scales); a window with sinks written
+# directly (GQA 8); four causal rows of GQA 4 in a window with a softcap on pages of 16 (per-head scales); row limits
+# on 32 rows (two row tiles) on pages of 1 (e4m3) and of 64 in 32-key tiles (e5m2, per-head scales); four causal rows
+# of GQA 8 (two row tiles) with a softcap and sinks written directly
 AOT_SPECS = [_aot_spec(4, 1, True, kv="fp8e4nv", kv_scale=1),
              _aot_spec(4, 1, True, kv="fp8e4nv", kv_scale=1, page_size=16, page_tiles=True),
              _aot_spec(4, 1, True, kv="fp8e4nv", kv_scale=1, page_size=1),
