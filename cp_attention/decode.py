@@ -33,8 +33,8 @@ from ._constants import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, LOG2E
 from ._dispatch import use_triton
 from ._validate import (check_bool, check_head_dim, check_index_tensor, check_int, check_kv_layout, check_kv_scales,
                         check_sm_scale, check_tensor, check_unit_stride, check_variants)
-from .heuristics import (FP8_ONE_WARP, ONE_WARP_CONFIGS, ONE_WARP_MAX_ROWS, DecodePlan, decode_plan,
-                         deterministic_plan, num_sms, one_warp_fp8, one_warp_plan, use_pdl)
+from .heuristics import (FP8_ONE_WARP, FP8_ONE_WARP_LONG, ONE_WARP_CONFIGS, ONE_WARP_MAX_ROWS, DecodePlan,
+                         decode_plan, deterministic_plan, num_sms, one_warp_fp8, one_warp_plan, use_pdl)
 from .state import AttentionState
 
 __all__ = ["flash_decode"]
@@ -189,7 +189,7 @@ def _prepare(q, k, v, seq_lens, block_table, row_limits, sinks, scales, num_spli
              geo: CacheGeometry, window_left, softcap: bool, span, split_size, export: bool) -> _Prepared:
     from .ops._launch import Launcher
     from .ops.split_kv import (_combine_kernel, _split_kv_kernel, combine_launch_config, export_floats, exports,
-                               split_kv_launch_config)
+                               kernel_rows, split_kv_launch_config)
 
     b, hq, d = q.shape[0], q.shape[-2], q.shape[-1]
     multi = q.dim() == 4
@@ -203,9 +203,10 @@ def _prepare(q, k, v, seq_lens, block_table, row_limits, sinks, scales, num_spli
         reach = geo.t_max if window_left is None else min(geo.t_max, window_left + geo.q_rows)
         reach = reach if span is None else min(reach, span)
         if one_warp_fp8(q.device, k.dtype, d, rows, reach, plain, geo.page_size):
-            # its splits start on a whole tile below the first position (up to 31 more keys)
-            reach = reach if window_left is None and row_limits is None else min(geo.t_max, reach + 31)
-            plan = one_warp_plan(b, geo.hkv, reach, num_sms(q.device), num_splits, geo.page_size, -(-rows // 16))
+            if window_left is not None or row_limits is not None:  # splits from a whole tile below the first key
+                reach = min(geo.t_max, reach + FP8_ONE_WARP_LONG.block_n - 1)
+            plan = one_warp_plan(b, geo.hkv, reach, num_sms(q.device), num_splits, geo.page_size,
+                                 -(-rows // kernel_rows(FP8_ONE_WARP)))
         else:
             plan = decode_plan(b, geo.hkv, reach, d, q.dtype, num_sms(q.device), num_splits, kv_dtype=k.dtype,
                                page_size=geo.page_size, aligned=window_left is None and row_limits is None, rows=rows)

@@ -24,9 +24,9 @@ import torch
 
 __all__ = ["num_splits", "num_sms", "use_pdl", "one_warp_fp8", "one_warp_plan", "DecodeConfig", "DecodePlan",
            "FOUR_PER_SM", "FP8_TWO_WARPS", "FP8_ONE_WARP", "FP8_ONE_WARP_LONG", "FP8_ONE_WARP_FEW", "ONE_WARP_CONFIGS",
-           "FP8_TABLE_LOOP",
-           "WIDE_HEADS", "WIDE_PAGES", "WIDE_FP8", "WIDE_FP8_TABLE_LOOP", "decode_config", "decode_plan",
-           "deterministic_plan", "PrefixConfig", "PrefixPlan", "prefix_config", "prefix_plan", "REFERENCE_SMS"]
+           "ONE_WARP_MAX_ROWS", "FP8_TABLE_LOOP", "WIDE_HEADS", "WIDE_PAGES", "WIDE_FP8", "WIDE_FP8_TABLE_LOOP",
+           "decode_config", "decode_plan", "deterministic_plan", "PrefixConfig", "PrefixPlan", "prefix_config",
+           "prefix_plan", "REFERENCE_SMS"]
 
 # CPU tensors (the Triton interpreter) are planned as for the H200 the defaults were tuned on, so the
 # interpreter runs the split layouts the GPU runs.

@@ -65,6 +65,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.runtime.jit import constexpr_function
 
+from .split_kv import row_heads
 from ._state import (LN2, add_sink, capped, finalize, fp16_query, kv_bases, lazy_running_max, score_scales,
                      seq_length, split_range, table_entries, take_weights)
 
@@ -300,8 +301,10 @@ def _split_kv_fp8_kernel(
     o_rg = i_rt * M + o_r  # the rows among the KV head's
     m_row = o_rg < ROWS
     o_tok = o_rg // GROUP_SIZE
+    o_tok64 = o_tok.to(gl.int64)
+    o_head = i_h64 * GROUP_SIZE + o_rg % GROUP_SIZE
     if HAS_ROW_LIMITS:  # [B, Q, 2]: (first, end) of the positions each row sees, on this shard
-        p_rl = ROW_LIMITS + i_b64 * stride_rlb + o_tok.to(gl.int64) * stride_rlq
+        p_rl = ROW_LIMITS + i_b64 * stride_rlb + o_tok64 * stride_rlq
         row_lo = gl.load(p_rl, mask=m_row, other=0)
         row_hi = gl.minimum(gl.load(p_rl + stride_rlx, mask=m_row, other=0), t_end)
     elif IS_CAUSAL:  # row i sees the positions < seq_len - Q_ROWS + 1 + i // G
@@ -351,7 +354,6 @@ def _split_kv_fp8_kernel(
     o, _ = finalize(m_i, r_i, acc, LN2)
     _, lse = finalize(m_i, l_i, acc, LN2)
     o = o * vs
-    o_head = i_h64 * GROUP_SIZE + o_rg % GROUP_SIZE
     if not EXPORT and HAS_SINKS:
         o, lse = add_sink(o, lse, gl.load(SINKS + o_head * stride_sink, mask=m_row, other=0.0))
     # Output column n holds value dim 16 (n % 8) + n // 8: renamed into value order, then each row stored by the
@@ -371,11 +373,10 @@ def _split_kv_fp8_kernel(
         gl.store(p_slot + (row0 + o_sr)[:, None] * D + o_sd[None, :], o, mask=m_srow)
         gl.store(p_slot + n_rows * D + row0 + o_r, lse, mask=m_row)
     else:
-        o_stok = ((i_rt * M + o_sr) // GROUP_SIZE).to(gl.int64)
-        o_shead = i_h64 * GROUP_SIZE + (i_rt * M + o_sr) % GROUP_SIZE
+        o_stok, o_shead = row_heads(i_rt * M + o_sr, i_h64, GROUP_SIZE, Q_ROWS)
         p_o = O + i_b64 * stride_ob + (o_stok * stride_oq + o_shead * stride_oh)[:, None] + o_sd[None, :]
         gl.store(p_o, o.to(O.dtype.element_ty), mask=m_srow)
-        gl.store(LSE + i_b64 * stride_lb + o_tok.to(gl.int64) * stride_lq + o_head * stride_lh, lse, mask=m_row)
+        gl.store(LSE + i_b64 * stride_lb + o_tok64 * stride_lq + o_head * stride_lh, lse, mask=m_row)
 
 
 def _aot_spec(group, q_rows, export, long=False, **kw):
