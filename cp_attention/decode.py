@@ -189,7 +189,7 @@ def _prepare(q, k, v, seq_lens, block_table, row_limits, sinks, scales, num_spli
              geo: CacheGeometry, window_left, softcap: bool, span, split_size, export: bool) -> _Prepared:
     from .ops._launch import Launcher
     from .ops.split_kv import (_combine_kernel, _split_kv_kernel, combine_launch_config, export_floats, exports,
-                               kernel_rows, split_kv_launch_config)
+                               split_kv_launch_config)
 
     b, hq, d = q.shape[0], q.shape[-2], q.shape[-1]
     multi = q.dim() == 4
@@ -205,8 +205,7 @@ def _prepare(q, k, v, seq_lens, block_table, row_limits, sinks, scales, num_spli
         if one_warp_fp8(q.device, k.dtype, d, rows, reach, plain, geo.page_size):
             if window_left is not None or row_limits is not None:  # splits from a whole tile below the first key
                 reach = min(geo.t_max, reach + FP8_ONE_WARP_LONG.block_n - 1)
-            plan = one_warp_plan(b, geo.hkv, reach, num_sms(q.device), num_splits, geo.page_size,
-                                 -(-rows // kernel_rows(FP8_ONE_WARP)))
+            plan = one_warp_plan(b, geo.hkv, reach, num_sms(q.device), num_splits, geo.page_size, rows)
         else:
             plan = decode_plan(b, geo.hkv, reach, d, q.dtype, num_sms(q.device), num_splits, kv_dtype=k.dtype,
                                page_size=geo.page_size, aligned=window_left is None and row_limits is None, rows=rows)

@@ -23,7 +23,8 @@ from typing import NamedTuple
 import torch
 
 __all__ = ["num_splits", "num_sms", "use_pdl", "one_warp_fp8", "one_warp_plan", "DecodeConfig", "DecodePlan",
-           "FOUR_PER_SM", "FP8_TWO_WARPS", "FP8_ONE_WARP", "FP8_ONE_WARP_LONG", "FP8_ONE_WARP_FEW", "ONE_WARP_CONFIGS",
+           "FOUR_PER_SM", "FP8_TWO_WARPS", "FP8_ONE_WARP", "FP8_ONE_WARP_LONG", "FP8_ONE_WARP_FEW", "FP8_ROWS_32",
+           "ONE_WARP_CONFIGS",
            "ONE_WARP_MAX_ROWS", "FP8_TABLE_LOOP", "WIDE_HEADS", "WIDE_PAGES", "WIDE_FP8", "WIDE_FP8_TABLE_LOOP",
            "decode_config", "decode_plan", "deterministic_plan", "PrefixConfig", "PrefixPlan", "prefix_config",
            "prefix_plan", "REFERENCE_SMS"]
@@ -95,7 +96,7 @@ def one_warp_fp8(device: torch.device, kv_dtype: torch.dtype, head_dim: int, row
     """Whether a decode runs the one-warp FP8 kernel (``ops/split_kv_fp8.py``, Note [One-warp FP8 tiles]),
     planned with :func:`one_warp_plan`: an FP8 cache of head dim 128 and more than 512 positions, dense or in
     pages of any size (``page_size``; 0: dense), at most :data:`ONE_WARP_MAX_ROWS` query rows per KV head
-    (query rows x GQA group, in row tiles of 16), on a CUDA device of compute capability 9.x (the sm_90 kernel
+    (query rows x GQA group: a warp for each 16, :func:`one_warp_plan`), on a CUDA device of compute capability 9.x (the sm_90 kernel
     it was written and measured for; a Gluon kernel has no interpreter path), unless the environment sets
     ``CP_ATTENTION_ONE_WARP=0`` (read once per device). ``plain``: no deterministic splits and no given plan
     (which the Triton kernel keeps); windows, softcaps, sinks and row limits run here too.
@@ -115,36 +116,43 @@ def one_warp_fp8(device: torch.device, kv_dtype: torch.dtype, head_dim: int, row
 
 
 def one_warp_plan(batch: int, num_kv_heads: int, t_max: int, num_sms: int, splits: int | None = None,
-                  page_size: int = 0, row_tiles: int = 1) -> DecodePlan:
+                  page_size: int = 0, rows: int = 1) -> DecodePlan:
     """The plan of the one-warp FP8 kernel (:func:`one_warp_fp8`): one wave of :data:`FP8_ONE_WARP`'s eight
     programs per SM (or ``splits``); where the pages, if any, hold whole 32-key tiles, in
     :data:`FP8_ONE_WARP_LONG`'s 32-key tiles (the same splits) where such a split holds more than
     :data:`LONG_SPLIT_KEYS` positions, and in one wave of :data:`FP8_ONE_WARP_FEW`'s four programs per SM (or
     ``splits``) where it holds at most :data:`FEW_SPLIT_KEYS`. A paged cache (``page_size`` > 0) gets the dense
     plan's splits, with one block-table entry read a tile where a page holds whole tiles (``page_tiles``: pages
-    of a multiple of 16), else one a key. ``row_tiles``: programs per (sequence, KV head) for its query rows
-    (16 a program), counted in the wave like KV heads; several take :data:`FP8_ONE_WARP_LONG`'s 32-key tiles
-    at eight programs per SM where the pages allow, whatever the split's length (each SM reads a split's
-    K/V once per row tile; H200, e4m3, 32/8/128, 20 and 32 rows, graph µs, eight in 32-key tiles / four in
-    32-key tiles / eight in 16-key tiles: B=1 T=128k 117.2 / 129.5 / 127.1 and 126.7 / 134.1 / 139.3, B=4
-    T=32k 128.2 / 139.4 / 141.4 at 32 rows, B=16 T=32k 427.4 / 472.5 / 506.8; benchmarks/NOTES.md,
-    twenty-second round).
+    of a multiple of 16), else one a key. ``rows``: query rows per KV head (query rows x GQA group). 17-32 rows
+    take :data:`FP8_ROWS_32`'s programs of two warps (16 rows each, one ring), one a split, four per SM, where
+    the pages hold whole 32-key tiles; elsewhere row tiles of 16, a program each, counted in the wave like KV
+    heads (H200, e4m3, 32/8/128, graph µs, two warps / row tiles / the Triton kernel: 20 rows at B=1 T=128k
+    86.4-87.4 / 96.3-99.8 / 115.7-115.9, 32 rows 89.5-90.3 / 93.2-98.6 / 116.6, at B=16 T=32k 335-367 /
+    390-394 / 437 and 350-381 / 388-402 / 443, B=64 T=8k 32 rows 338-378 / 380-393 / 433; benchmarks/NOTES.md,
+    twenty-third round).
 
     >>> [one_warp_plan(1, 8, t, 132)[:3] for t in (131072, 1 << 20)]  # doctest: +NORMALIZE_WHITESPACE
-    [(DecodeConfig(block_n=32, num_warps=1, num_stages=3, programs=4, maxnreg=0), 66, 63),
-     (DecodeConfig(block_n=32, num_warps=1, num_stages=3, programs=8, maxnreg=0), 132, 249)]
+    [(DecodeConfig(block_n=32, num_warps=1, num_stages=3, programs=4, maxnreg=0, warp_rows=16), 66, 63),
+     (DecodeConfig(block_n=32, num_warps=1, num_stages=3, programs=8, maxnreg=0, warp_rows=16), 132, 249)]
     >>> [one_warp_plan(1, 8, 1 << 20, 132, page_size=p)[::6] for p in (1, 16, 64)]  # doctest: +NORMALIZE_WHITESPACE
-    [(DecodeConfig(block_n=16, num_warps=1, num_stages=3, programs=8, maxnreg=0), False),
-     (DecodeConfig(block_n=16, num_warps=1, num_stages=3, programs=8, maxnreg=0), True),
-     (DecodeConfig(block_n=32, num_warps=1, num_stages=3, programs=8, maxnreg=0), True)]
+    [(DecodeConfig(block_n=16, num_warps=1, num_stages=3, programs=8, maxnreg=0, warp_rows=16), False),
+     (DecodeConfig(block_n=16, num_warps=1, num_stages=3, programs=8, maxnreg=0, warp_rows=16), True),
+     (DecodeConfig(block_n=32, num_warps=1, num_stages=3, programs=8, maxnreg=0, warp_rows=16), True)]
     >>> [one_warp_plan(1, 8, 131072, 132, page_size=p)[:3] for p in (16, 32)]  # doctest: +NORMALIZE_WHITESPACE
-    [(DecodeConfig(block_n=16, num_warps=1, num_stages=3, programs=8, maxnreg=0), 131, 63),
-     (DecodeConfig(block_n=32, num_warps=1, num_stages=3, programs=4, maxnreg=0), 66, 63)]
+    [(DecodeConfig(block_n=16, num_warps=1, num_stages=3, programs=8, maxnreg=0, warp_rows=16), 131, 63),
+     (DecodeConfig(block_n=32, num_warps=1, num_stages=3, programs=4, maxnreg=0, warp_rows=16), 66, 63)]
+    >>> one_warp_plan(1, 8, 131072, 132, rows=20)[:3]  # doctest: +NORMALIZE_WHITESPACE
+    (DecodeConfig(block_n=32, num_warps=2, num_stages=3, programs=4, maxnreg=0, warp_rows=16), 66, 63)
     """
+    if rows > 16 and page_size % FP8_ROWS_32.block_n == 0:  # a warp for each 16 rows, a program a split
+        plan = decode_plan(batch, num_kv_heads, t_max, 128, torch.bfloat16, num_sms, splits, FP8_ROWS_32,
+                           torch.float8_e4m3fn)
+        return plan._replace(page_tiles=page_size > 0)
+    row_tiles = -(-rows // 16)
     heads = num_kv_heads * row_tiles
     plan = decode_plan(batch, heads, t_max, 128, torch.bfloat16, num_sms, splits, FP8_ONE_WARP, torch.float8_e4m3fn)
     keys = plan.tiles_per_split * FP8_ONE_WARP.block_n
-    if page_size % FP8_ONE_WARP_LONG.block_n == 0 and (keys > LONG_SPLIT_KEYS or row_tiles > 1):
+    if page_size % FP8_ONE_WARP_LONG.block_n == 0 and keys > LONG_SPLIT_KEYS:
         plan = decode_plan(batch, heads, t_max, 128, torch.bfloat16, num_sms, plan.num_splits, FP8_ONE_WARP_LONG,
                            torch.float8_e4m3fn)
     elif page_size % FP8_ONE_WARP_FEW.block_n == 0 and keys <= FEW_SPLIT_KEYS:
@@ -164,13 +172,15 @@ class DecodeConfig(NamedTuple):
     use (0: its choice), where a config counts on ``programs`` that the registers would otherwise not let
     in: pages of 64 in 64-key tiles took 143 registers on the H200 (three programs per SM, 156 µs at B=64
     T=2k) where pages of 16 took 110 (four, 125 µs). (Capping every config that sets ``programs`` made pages
-    of one position 33% slower at B=64 T=8k.)"""
+    of one position 33% slower at B=64 T=8k.) ``warp_rows``: the query rows each warp holds in the one-warp FP8
+    kernel (16, one ``m16n8k16`` row block: Note [One-warp FP8 tiles]); 0 for the Triton kernels."""
 
     block_n: int
     num_warps: int
     num_stages: int
     programs: int = 0
     maxnreg: int = 0
+    warp_rows: int = 0
 
     def programs_per_sm(self, head_dim: int, dtype: torch.dtype) -> int:
         """How many programs share an SM: :attr:`programs`, or the estimate from the K/V pipeline's shared
@@ -237,12 +247,12 @@ FP8_TWO_WARPS = DecodeConfig(64, 2, 3, programs=4)
 # of three stages, eight programs per SM (168-192 registers, 12 KB of shared memory; H200, e4m3, 32/8/128,
 # graph µs at one wave: 8 programs a SM against 12 at B=1 T=128k 77.2 / 81.7, B=16 T=32k 259.9 / 270.9,
 # B=64 T=8k 271.3 / 277.6, B=1 T=1M 530.2 / 516.9; benchmarks/NOTES.md, nineteenth round)
-FP8_ONE_WARP = DecodeConfig(16, 1, 3, programs=8)
+FP8_ONE_WARP = DecodeConfig(16, 1, 3, programs=8, warp_rows=16)
 # ... in 32-key tiles (202-226 registers, 24 KB; still eight per SM) for splits of more than LONG_SPLIT_KEYS
 # positions: H200, e4m3, 32/8/128, graph µs, ABBA in one process: B=1 T=1M (7944 a split) 496.0-498.1 against
 # 555.1-568.3 in 16-key tiles; B=1 T=128k (1008) 77.2 against 75.5-75.8, B=64 T=8k (4096) 260.6-261.3 against
 # 257.7-258.8, B=16 T=32k (4096) level (benchmarks/NOTES.md, nineteenth round)
-FP8_ONE_WARP_LONG = DecodeConfig(32, 1, 3, programs=8)
+FP8_ONE_WARP_LONG = DecodeConfig(32, 1, 3, programs=8, warp_rows=16)
 LONG_SPLIT_KEYS = 4096
 # ... in 32-key tiles at four programs per SM (the same kernel as FP8_ONE_WARP_LONG, half the splits, each
 # twice as long) where FP8_ONE_WARP's splits hold at most FEW_SPLIT_KEYS positions: H200, e4m3, 32/8/128, graph
@@ -251,12 +261,18 @@ LONG_SPLIT_KEYS = 4096
 # 70.1 / 71.7, B=2 T=128k 128.1 / 131.6-132.0; where the splits are longer it was no faster: B=1 T=1M
 # 484.9-498.7 / 482.1-483.1, B=16 T=32k 243.7-269.3 / 253.4-254.3 (bimodal), 5 or 6 programs per SM and
 # deeper rings slower at 128k (benchmarks/NOTES.md, twenty-first round)
-FP8_ONE_WARP_FEW = DecodeConfig(32, 1, 3, programs=4)
+FP8_ONE_WARP_FEW = DecodeConfig(32, 1, 3, programs=4, warp_rows=16)
 FEW_SPLIT_KEYS = 2048
-ONE_WARP_CONFIGS = (FP8_ONE_WARP, FP8_ONE_WARP_LONG, FP8_ONE_WARP_FEW)
-# The most query rows per KV head (query rows x GQA group) that the one-warp kernel takes, in row tiles of 16
-# (each tile a program that reads the split's K/V; the tiles of a split run in the same wave, so the second
-# read mostly hits L2)
+# ... for 17-32 query rows per KV head: a warp for each 16 rows sharing one ring of 32-key tiles, four programs
+# (eight warps) per SM (the one-warp kernel's loop in each warp; 204 registers, 24 KB)
+FP8_ROWS_32 = DecodeConfig(32, 2, 3, programs=4, warp_rows=16)
+ONE_WARP_CONFIGS = (FP8_ONE_WARP, FP8_ONE_WARP_LONG, FP8_ONE_WARP_FEW, FP8_ROWS_32)
+# The most query rows per KV head (query rows x GQA group) that the one-warp kernel takes: in one program of a
+# warp per 16 rows where the pages hold whole 32-key tiles (dense included), else in row tiles of 16, a program
+# each reading the split's K/V. More rows stay on the Triton kernel: H200, e4m3, 32/8/128, graph µs, 48 and 64
+# rows: four warps a program 163.2 / 161.2 at B=1 T=128k and 632-637 / 623-625 at B=16 T=32k against the Triton
+# kernel's 125.8-126.3 / 127.5-128.0 and 476-478 / 491-495; four row tiles of one warp 1.23-1.49x the bf16
+# time (benchmarks/NOTES.md, twenty-second and twenty-third rounds)
 ONE_WARP_MAX_ROWS = 32
 # FP8 page pools read one table entry per key: the same tiles in five stages, which Triton's pipeliner turns
 # into two K/V tiles in flight beside the table load's stage (three or four stages: one; sm_90, 232-255
@@ -333,7 +349,7 @@ def decode_config(head_dim: int, dtype: torch.dtype, t_max: int | None = None, p
     takes 148-185 registers on sm_90 at four warps: two programs per SM are counted.
 
     >>> decode_config(128, torch.bfloat16, 131072, page_size=16)
-    DecodeConfig(block_n=64, num_warps=4, num_stages=3, programs=4, maxnreg=0)
+    DecodeConfig(block_n=64, num_warps=4, num_stages=3, programs=4, maxnreg=0, warp_rows=0)
     """
     if dtype == torch.float32:
         return DecodeConfig(64, 4, 2) if head_dim <= 128 else DecodeConfig(32, 4, 2)
@@ -367,7 +383,7 @@ def deterministic_plan(t_max: int, head_dim: int, dtype: torch.dtype, split_size
     Independent of the batch and the device, so a request's output is too.
 
     >>> deterministic_plan(100_000, 128, torch.bfloat16, 4096)
-    DecodePlan(config=DecodeConfig(block_n=128, num_warps=4, num_stages=3, programs=0, maxnreg=0), num_splits=25, tiles_per_split=32, deterministic=True, split_pages=0, streams=1, page_tiles=False)
+    DecodePlan(config=DecodeConfig(block_n=128, num_warps=4, num_stages=3, programs=0, maxnreg=0, warp_rows=0), num_splits=25, tiles_per_split=32, deterministic=True, split_pages=0, streams=1, page_tiles=False)
     """
     config = decode_config(head_dim, dtype)
     block_n = config.block_n

@@ -172,18 +172,20 @@ def test_one_warp_fp8_tiles_reach_the_tensor_cores_without_a_layout_change(repor
     by 16-byte loads straight into the ``mma`` operands: no other shared store, no narrower shared load (a
     layout change through shared memory would add both), no cross-warp barrier beyond the ring's; PDL's wait
     comes first and the release after the loop; after it, the output goes through shared memory in 16-byte
-    pieces and out in 16-byte stores; eight programs fit an SM without spills."""
+    pieces and out in 16-byte stores; eight warps fit an SM without spills. Programs of several warps (16 rows
+    each) exchange single words across warps (the lazy max's any-row test, the rows' reach) and nothing else."""
     specs = [s for s in report["specs"] if s["kernel"] == "_split_kv_fp8_kernel"]
-    assert len(specs) >= 4
+    assert len(specs) >= 4 and any(s["num_warps"] == 2 for s in specs)
     for s in specs:
-        assert s["num_warps"] == 1 and s["local"] == 0 and s["programs"] == 8, s["id"]
+        assert s["local"] == 0 and s["num_warps"] * s["programs"] == 8, s["id"]
         assert s["ptx"].index("griddepcontrol.wait") < s["ptx"].index("griddepcontrol.launch_dependents"), s["id"]
         ptx, out = s["ptx"].split("griddepcontrol.launch_dependents")
         assert "cp.async.cg.shared.global" in ptx and "mma.sync.aligned.m16n8k16" in ptx, s["id"]
-        assert "st.shared" not in ptx, s["id"]
-        loads = re.findall(r"ld\.shared\.(\S+)", ptx)
-        assert loads and all(w.startswith("v4.b32") or w.startswith("v4.u32") for w in loads), (s["id"], set(loads))
-        assert set(re.findall(r"st\.shared\.(\S+)", out)) == {"v4.b32"}, s["id"]
+        words = {"b32"} if s["num_warps"] > 1 else set()  # the cross-warp words
+        assert set(re.findall(r"st\.shared\.(\S+)", ptx)) == words, s["id"]
+        loads = set(re.findall(r"ld\.shared\.(\S+)", ptx)) - words
+        assert loads and all(w.startswith("v4.b32") or w.startswith("v4.u32") for w in loads), (s["id"], loads)
+        assert set(re.findall(r"st\.shared\.(\S+)", out)) - words == {"v4.b32"}, s["id"]
         c = s["constexprs"]
         if c["Q_ROWS"] * c["GROUP_SIZE"] % 4 == 0:  # 16-byte aligned rows (odd row counts misalign the slots)
             scalar, vector = (len(re.findall(rf"st\.global\.{w}", out)) for w in ("b32", "v[24]\.b32"))

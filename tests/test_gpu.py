@@ -667,6 +667,9 @@ ONE_WARP_VARIANTS = [
     ("20-rows", torch.float8_e4m3fn, "HND", 5, 16, 4, None, 0, None, None, False, False),
     ("32-rows-window", torch.float8_e4m3fn, "NHD", 2, 64, 4, 5, 0, 900, 25.0, True, False),
     ("24-rows-direct-pages32", torch.float8_e5m2, "HND", 3, 16, 2, 1, 32, None, None, False, False),
+    ("20-rows-pages16", torch.float8_e4m3fn, "NHD", 5, 16, 4, None, 16, None, None, False, False),
+    ("32-rows-window-sinks-pages64", torch.float8_e5m2, "HND", 4, 32, 4, None, 64, 800, None, True, False),
+    ("20-rows-softcap-sinks-direct", torch.float8_e4m3fn, "HND", 5, 16, 4, 1, 0, None, 30.0, True, False),
 ]
 
 

@@ -306,9 +306,9 @@ def split_kv_launch_config(dtype, group: int, q_rows: int, head_dim: int, plan, 
 
 
 def kernel_rows(config) -> int:
-    """The most query rows a program of ``config`` takes: 16 for the one-warp FP8 kernel (one ``m16n8k16`` row
-    block; more rows run as more row tiles, Note [One-warp FP8 tiles]), else 64."""
-    return 16 if config in ONE_WARP_CONFIGS else 64
+    """The most query rows a program of ``config`` takes: 16 a warp for the one-warp FP8 kernel (one
+    ``m16n8k16`` row block each; more rows run as more row tiles, Note [One-warp FP8 tiles]), else 64."""
+    return config.warp_rows * config.num_warps if config in ONE_WARP_CONFIGS else 64
 
 
 def pairs_values(config, kv_scale: int, rows: int) -> bool:

@@ -1,5 +1,5 @@
-"""The FP8 split-KV kernel of sm_90 in Gluon: one warp a program, its K/V tiles reaching the tensor cores
-without a layout change through shared memory.
+"""The FP8 split-KV kernel of sm_90 in Gluon: one warp a program (a warp per 16 query rows), its K/V tiles
+reaching the tensor cores without a layout change through shared memory.
 
 Note [One-warp FP8 tiles]
 -------------------------
@@ -32,7 +32,7 @@ layouts (Gluon), one warp a program, with what Triton's ``tl.dot`` cannot expres
 * **Eight programs per SM** of one warp each, one wave (a ring of three K/V tiles in shared memory filled
   by ``cp.async``, 16 keys a tile, 32 for splits of more than 4096 positions; four programs per SM in 32-key
   tiles where eight would get splits of at most 2048: :func:`cp_attention.heuristics.one_warp_plan`);
-  168-227 registers, 12 or 24 KB.
+  168-227 registers, 12 or 24 KB; programs of two warps (17-32 rows) four per SM, 204 registers, 24 KB.
 * **The running max moves lazily** (:func:`~cp_attention.ops._state.lazy_running_max`): only when a row's max
   rises by more than 2^8 (``LAZY_RESCALE``) is the state rescaled (a branch around 80 instructions); otherwise
   the weights are taken against the old max and stay below 2^8. The state is the same; only the reference of
@@ -48,10 +48,13 @@ arguments are ``_split_kv_kernel``'s, so the launch path is shared; it runs the 
 domain that the plan gives it (:func:`cp_attention.heuristics.one_warp_fp8`): an FP8 cache of head dim
 128, causal drafts, ``seq_lens``, scalar or per-head scales, exported or direct output, windows, softcaps,
 sinks and row limits (a context-parallel rank's rows); dense caches or page pools (one block-table entry
-read a tile ahead of its copy where a page holds whole tiles, else one a key). A program holds one tile of
-16 query rows (query rows x GQA group); more rows (up to
-:data:`~cp_attention.heuristics.ONE_WARP_MAX_ROWS`) run as more programs, one a row tile, each reading the
-split's K/V (the Triton kernel's tiles of up to 64 rows read it once, and were faster from 48 rows on). With
+read a tile ahead of its copy where a page holds whole tiles, else one a key). A warp holds 16 query rows
+(query rows x GQA group). 17-32 rows (:data:`~cp_attention.heuristics.ONE_WARP_MAX_ROWS`) run as two warps a
+program (``BLOCK_H`` 32) where the pages hold whole 32-key tiles: the ``mma`` layouts put a warp on each 16
+rows, every warp reads the whole tile from the shared ring into its registers (a zero warp basis in the tile
+layouts), and the warps exchange one word a tile (the lazy max's any-row test); on smaller pages they run as
+row tiles of one warp, a program each, each reading the split's K/V. (Four warps for 64 rows were 25-36%
+slower than the Triton kernel's 64-row tiles: each warp does a whole tile's work for its rows.) With
 a window or row limits the splits start on a whole tile below the first position any row sees (a tile then
 stays within a page), and the tiles that reach below a row's first position are masked like those that
 reach past its last.
@@ -88,16 +91,18 @@ def _gdc(op: gl.constexpr):
 
 
 @constexpr_function
-def _tile_layout(block_n, values):
+def _tile_layout(block_n, values, warps):
     """The register layout of a ``[block_n, 128]`` FP8 tile as read from shared memory: lane ``(g, t)``
     holds bytes ``32 t .. 32 t + 31`` of key ``g`` (K), or bytes ``16 g .. 16 g + 15`` of keys ``2t, 2t+1,
-    2t+8, 2t+9`` (V, ``values``); keys 16 .. 31 of a 32-key tile take one more register bit."""
+    2t+8, 2t+9`` (V, ``values``); keys 16 .. 31 of a 32-key tile take one more register bit. Every one of the
+    ``warps`` holds the whole tile (the ``mma`` B operand of its own row block)."""
     more = [[16, 0]] if block_n == 32 else []
+    warp_bases = [[0, 0]] * (warps.bit_length() - 1)
     if values:
         return gl.DistributedLinearLayout([[0, 1], [0, 2], [0, 4], [0, 8], [1, 0], [8, 0]] + more,
-                                          [[2, 0], [4, 0], [0, 16], [0, 32], [0, 64]], [], [], [block_n, 128])
+                                          [[2, 0], [4, 0], [0, 16], [0, 32], [0, 64]], warp_bases, [], [block_n, 128])
     return gl.DistributedLinearLayout([[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [8, 0]] + more,
-                                      [[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]], [], [], [block_n, 128])
+                                      [[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]], warp_bases, [], [block_n, 128])
 
 
 @gluon.jit
@@ -140,19 +145,19 @@ def _issue_tile(s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt, stride_kp, strid
 
 @gluon.jit
 def _attend_tile(q, b_k, b_v, qk_scale, cap, m_i, l_i, r_i, acc, key0, row_lo, row_hi, o_key, MASKED: gl.constexpr,
-                 HAS_ROW_LO: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_N: gl.constexpr):
+                 HAS_ROW_LO: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_N: gl.constexpr, W: gl.constexpr):
     """Fold one K/V tile (FP8, as loaded in the permuted register layouts) into the running state ``(m_i,
     l_i, r_i, acc)`` (``l`` sums the weights, ``r`` the weights rounded to fp16: ``_state.take_weights``);
     ``MASKED``: keys ``key0 + o_key >= row_hi`` of a row are left out, and with ``HAS_ROW_LO`` those ``<
     row_lo``; ``SOFTCAP``: the scores capped (``_state.capped``)."""
     D: gl.constexpr = HEAD_DIM_1W
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     # K [BLOCK_N, byte (t1 t0 s2 s1 s0 j1 j0)] -> [kk (s2 s1 s0 j1 t1 t0 j0), key]: the operand of q . k
     k = gl.reshape(b_k.to(gl.float16), [BLOCK_N, 2, 2, 2, 2, 2, 2, 2])
     k = gl.convert_layout(gl.reshape(gl.permute(k, (3, 4, 5, 6, 1, 2, 7, 0)), [D, BLOCK_N]), b_l)
-    s = capped(mma_v2(q, k, gl.zeros([ROWS_1W, BLOCK_N], gl.float32, layout=mma)) * qk_scale, cap, SOFTCAP)
+    s = capped(mma_v2(q, k, gl.zeros([ROWS_1W * W, BLOCK_N], gl.float32, layout=mma)) * qk_scale, cap, SOFTCAP)
     if MASKED:
         key = key0 + o_key[None, :]
         seen = key < row_hi[:, None]
@@ -173,7 +178,7 @@ def _next_tile(q, qk_scale, cap, s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt,
                stride_btp, num_pages, page, t_start, t_end, it, row_lo, row_hi, o_key, m_i, l_i, r_i, acc,
                MASKED: gl.constexpr, HAS_ROW_LO: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_N: gl.constexpr,
                NUM_STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr, IS_PAGED: gl.constexpr, KEY_PAGES: gl.constexpr,
-               k_l: gl.constexpr, v_l: gl.constexpr):
+               k_l: gl.constexpr, v_l: gl.constexpr, W: gl.constexpr):
     """Tile ``it`` of the split: start the copy of tile ``it + NUM_STAGES - 1`` (in pool pages ``page`` of a
     paged cache) into the ring stage that tile ``it - 1`` held, read the block-table entries of the tile after
     it (returned: their latency hides behind this tile), wait for tile ``it``'s copy and fold it in
@@ -187,7 +192,7 @@ def _next_tile(q, qk_scale, cap, s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt,
     _barrier()
     m_i, l_i, r_i, acc = _attend_tile(q, s_k.index(it % NUM_STAGES).load(k_l), s_v.index(it % NUM_STAGES).load(v_l),
                                       qk_scale, cap, m_i, l_i, r_i, acc, t_start + it * BLOCK_N, row_lo, row_hi, o_key,
-                                      MASKED, HAS_ROW_LO, SOFTCAP, BLOCK_N)
+                                      MASKED, HAS_ROW_LO, SOFTCAP, BLOCK_N, W)
     return m_i, l_i, r_i, acc, page
 
 
@@ -212,7 +217,9 @@ def _split_kv_fp8_kernel(
     """Split-KV decode over an FP8 cache (dense or paged), one warp a program (Note [One-warp FP8 tiles]); arguments
     and outputs as ``split_kv._split_kv_kernel`` (Note [Split-KV decode]), plus ``NUM_STAGES`` K/V tiles in
     the ``cp.async`` ring."""
-    gl.static_assert(HEAD_DIM == HEAD_DIM_1W and BLOCK_D == HEAD_DIM_1W and BLOCK_H == ROWS_1W)
+    gl.static_assert(HEAD_DIM == HEAD_DIM_1W and BLOCK_D == HEAD_DIM_1W and BLOCK_H % ROWS_1W == 0)
+    W: gl.constexpr = BLOCK_H // ROWS_1W  # warps: 16 rows each, one ring
+    gl.static_assert(gl.num_warps() == W)
     gl.static_assert((BLOCK_N == 16 or BLOCK_N == 32) and KV_SCALE != 0)
     gl.static_assert(not (HAS_ROW_LIMITS and (IS_CAUSAL or HAS_WINDOW)))  # row limits replace both
     gl.static_assert(STREAMS == 1 and not PAIR_V and SPLIT_PAGES == 0 and not PAGE_GATHER)
@@ -222,17 +229,17 @@ def _split_kv_fp8_kernel(
     if PDL:  # Note [Programmatic dependent launch]
         _gdc("wait")
     D: gl.constexpr = HEAD_DIM_1W
-    M: gl.constexpr = ROWS_1W
+    M: gl.constexpr = BLOCK_H
     ROWS: gl.constexpr = Q_ROWS * GROUP_SIZE
     N_RT: gl.constexpr = (ROWS + M - 1) // M  # row tiles, one program each (Note [One-warp FP8 tiles])
     ROWS_T: gl.constexpr = M if ROWS > M else ROWS  # rows of a full tile
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     row_l: gl.constexpr = gl.SliceLayout(1, mma)
     col_l: gl.constexpr = gl.SliceLayout(0, mma)
-    k_l: gl.constexpr = _tile_layout(BLOCK_N, False)
-    v_l: gl.constexpr = _tile_layout(BLOCK_N, True)
-    cp_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8], warps_per_cta=[1, 1],
+    k_l: gl.constexpr = _tile_layout(BLOCK_N, False, W)
+    v_l: gl.constexpr = _tile_layout(BLOCK_N, True, W)
+    cp_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8], warps_per_cta=[W, 1],
                                           order=[1, 0])
     # 16-byte chunks swizzled by the key: both register layouts read without bank conflicts
     sh_l: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8, order=[1, 0])
@@ -335,17 +342,17 @@ def _split_kv_fp8_kernel(
                                                   stride_kb, stride_vb, p_bt, stride_btp, NUM_PAGES, page, t_start,
                                                   t_end, it, row_lo, row_hi, o_key, m_i, l_i, r_i, acc, True,
                                                   HAS_ROW_LO, SOFTCAP, BLOCK_N, NUM_STAGES, PAGE_SIZE, IS_PAGED,
-                                                  KEY_PAGES, k_l, v_l)
+                                                  KEY_PAGES, k_l, v_l, W)
     for it in range(n_lo, n_full):
         m_i, l_i, r_i, acc, page = _next_tile(q, qk_scale, cap, s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt,
                                               stride_kb, stride_vb, p_bt, stride_btp, NUM_PAGES, page, t_start, t_end,
                                               it, row_lo, row_hi, o_key, m_i, l_i, r_i, acc, False, HAS_ROW_LO,
-                                              SOFTCAP, BLOCK_N, NUM_STAGES, PAGE_SIZE, IS_PAGED, KEY_PAGES, k_l, v_l)
+                                              SOFTCAP, BLOCK_N, NUM_STAGES, PAGE_SIZE, IS_PAGED, KEY_PAGES, k_l, v_l, W)
     for it in range(n_full, n_tiles):  # the tiles that reach a row's last key
         m_i, l_i, r_i, acc, page = _next_tile(q, qk_scale, cap, s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt,
                                               stride_kb, stride_vb, p_bt, stride_btp, NUM_PAGES, page, t_start, t_end,
                                               it, row_lo, row_hi, o_key, m_i, l_i, r_i, acc, True, HAS_ROW_LO,
-                                              SOFTCAP, BLOCK_N, NUM_STAGES, PAGE_SIZE, IS_PAGED, KEY_PAGES, k_l, v_l)
+                                              SOFTCAP, BLOCK_N, NUM_STAGES, PAGE_SIZE, IS_PAGED, KEY_PAGES, k_l, v_l, W)
     async_copy.wait_group(0)
     if PDL:  # the K/V reads are done
         _gdc("launch_dependents")
@@ -360,7 +367,7 @@ def _split_kv_fp8_kernel(
     # whole warp in 16-byte pieces (through shared memory); from the accumulator's layout every lane would
     # write 4-byte pieces 64 bytes apart
     o = gl.reshape(gl.permute(gl.reshape(o, [M, 16, 8]), (0, 2, 1)), [M, D])
-    st_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[1, 32], warps_per_cta=[1, 1],
+    st_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[1, 32], warps_per_cta=[W, 1],
                                           order=[1, 0])
     o = gl.convert_layout(o, st_l)
     o_sr = gl.arange(0, M, layout=gl.SliceLayout(1, st_l))
@@ -379,11 +386,11 @@ def _split_kv_fp8_kernel(
         gl.store(LSE + i_b64 * stride_lb + o_tok64 * stride_lq + o_head * stride_lh, lse, mask=m_row)
 
 
-def _aot_spec(group, q_rows, export, long=False, **kw):
-    from ..heuristics import FP8_ONE_WARP, FP8_ONE_WARP_LONG
+def _aot_spec(group, q_rows, export, config="FP8_ONE_WARP", **kw):
+    from .. import heuristics
     from . import split_kv
 
-    config = FP8_ONE_WARP_LONG if long else FP8_ONE_WARP
+    config = getattr(heuristics, config)
     spec = split_kv._aot_spec(group, q_rows, export, config=config, **kw)
     constexprs = dict(spec["constexprs"], NUM_STAGES=config.num_stages)
     return dict(spec, kernel=_split_kv_fp8_kernel, constexprs=constexprs)
@@ -394,21 +401,28 @@ def _aot_spec(group, q_rows, export, long=False, **kw):
 # written directly (e5m2, per-head scales), GQA 16 split (e4m3, per-head), three causal rows of GQA 5 split; in
 # 32-key tiles, GQA 4 split (e4m3) and four causal rows of GQA 4 (e5m2, per-head scales); a window with sinks written
 # directly (GQA 8); four causal rows of GQA 4 in a window with a softcap on pages of 16 (per-head scales); row limits
-# on 32 rows (two row tiles) on pages of 1 (e4m3) and of 64 in 32-key tiles (e5m2, per-head scales); four causal rows
-# of GQA 8 (two row tiles) with a softcap and sinks written directly
+# on 32 rows (two row tiles) on pages of 1 (e4m3); in two warps of 16 rows: row limits on 32 rows on pages of 64
+# (e5m2, per-head scales), four causal rows of GQA 8 with a softcap and sinks written directly, five causal rows of
+# GQA 4 split (e4m3) and four of GQA 8 in a window on pages of 32 (e5m2, per-head scales)
 AOT_SPECS = [_aot_spec(4, 1, True, kv="fp8e4nv", kv_scale=1),
              _aot_spec(4, 1, True, kv="fp8e4nv", kv_scale=1, page_size=16, page_tiles=True),
              _aot_spec(4, 1, True, kv="fp8e4nv", kv_scale=1, page_size=1),
              _aot_spec(5, 3, True, causal=True, kv="fp8e5", kv_scale=2, page_size=8),
-             _aot_spec(4, 4, True, causal=True, kv="fp8e5", kv_scale=2, long=True, page_size=64, page_tiles=True),
+             _aot_spec(4, 4, True, causal=True, kv="fp8e5", kv_scale=2, config="FP8_ONE_WARP_LONG", page_size=64,
+                       page_tiles=True),
              _aot_spec(4, 4, False, causal=True, kv="fp8e5", kv_scale=2),
              _aot_spec(16, 1, True, kv="fp8e4nv", kv_scale=2),
              _aot_spec(5, 3, True, causal=True, kv="fp8e4nv", kv_scale=1),
-             _aot_spec(4, 1, True, kv="fp8e4nv", kv_scale=1, long=True),
-             _aot_spec(4, 4, True, causal=True, kv="fp8e5", kv_scale=2, long=True),
+             _aot_spec(4, 1, True, kv="fp8e4nv", kv_scale=1, config="FP8_ONE_WARP_LONG"),
+             _aot_spec(4, 4, True, causal=True, kv="fp8e5", kv_scale=2, config="FP8_ONE_WARP_LONG"),
              _aot_spec(8, 1, False, kv="fp8e4nv", kv_scale=1, window=True, sinks=True),
              _aot_spec(4, 4, True, causal=True, kv="fp8e4nv", kv_scale=2, window=True, softcap=True, page_size=16,
                        page_tiles=True),
              _aot_spec(4, 8, True, kv="fp8e4nv", kv_scale=1, row_limits=True, page_size=1),
-             _aot_spec(8, 4, True, kv="fp8e5", kv_scale=2, row_limits=True, long=True, page_size=64, page_tiles=True),
-             _aot_spec(8, 4, False, causal=True, kv="fp8e4nv", kv_scale=1, softcap=True, sinks=True)]
+             _aot_spec(8, 4, True, kv="fp8e5", kv_scale=2, row_limits=True, config="FP8_ROWS_32", page_size=64,
+                       page_tiles=True),
+             _aot_spec(8, 4, False, causal=True, kv="fp8e4nv", kv_scale=1, softcap=True, sinks=True,
+                       config="FP8_ROWS_32"),
+             _aot_spec(4, 5, True, causal=True, kv="fp8e4nv", kv_scale=1, config="FP8_ROWS_32"),
+             _aot_spec(8, 4, True, causal=True, kv="fp8e5", kv_scale=2, window=True, config="FP8_ROWS_32", page_size=32,
+                       page_tiles=True)]
