@@ -24,8 +24,8 @@ import torch
 
 __all__ = ["num_splits", "num_sms", "use_pdl", "one_warp_fp8", "one_warp_plan", "DecodeConfig", "DecodePlan",
            "FOUR_PER_SM", "FP8_TWO_WARPS", "FP8_ONE_WARP", "FP8_ONE_WARP_LONG", "FP8_ONE_WARP_FEW", "FP8_ROWS_32",
-           "ONE_WARP_CONFIGS",
-           "ONE_WARP_MAX_ROWS", "FP8_TABLE_LOOP", "WIDE_HEADS", "WIDE_PAGES", "WIDE_FP8", "WIDE_FP8_TABLE_LOOP",
+           "ONE_WARP_CONFIGS", "ONE_WARP_MAX_ROWS", "ONE_WARP_KEYS_PER_ROW", "FP8_TABLE_LOOP", "WIDE_HEADS",
+           "WIDE_PAGES", "WIDE_FP8", "WIDE_FP8_TABLE_LOOP",
            "decode_config", "decode_plan", "deterministic_plan", "PrefixConfig", "PrefixPlan", "prefix_config",
            "prefix_plan", "REFERENCE_SMS"]
 
@@ -96,10 +96,12 @@ def one_warp_fp8(device: torch.device, kv_dtype: torch.dtype, head_dim: int, row
     """Whether a decode runs the one-warp FP8 kernel (``ops/split_kv_fp8.py``, Note [One-warp FP8 tiles]),
     planned with :func:`one_warp_plan`: an FP8 cache of head dim 128 and more than 512 positions, dense or in
     pages of any size (``page_size``; 0: dense), at most :data:`ONE_WARP_MAX_ROWS` query rows per KV head
-    (query rows x GQA group: a warp for each 16, :func:`one_warp_plan`), on a CUDA device of compute capability 9.x (the sm_90 kernel
-    it was written and measured for; a Gluon kernel has no interpreter path), unless the environment sets
-    ``CP_ATTENTION_ONE_WARP=0`` (read once per device). ``plain``: no deterministic splits and no given plan
-    (which the Triton kernel keeps); windows, softcaps, sinks and row limits run here too.
+    (query rows x GQA group: a warp for each 16, :func:`one_warp_plan`), on a CUDA device of compute capability
+    9.x (the sm_90 kernel it was written and measured for; a Gluon kernel has no interpreter path), unless the
+    environment sets ``CP_ATTENTION_ONE_WARP=0`` (read once per device). ``plain``: no deterministic splits and
+    no given plan (which the Triton kernel keeps); windows, softcaps, sinks and row limits run here too.
+    ``flash_decode`` also keeps the Triton kernel where the one-warp plan's splits would hold fewer than
+    :data:`ONE_WARP_KEYS_PER_ROW` keys a query row.
 
     >>> one_warp_fp8(torch.device("cpu"), torch.float8_e4m3fn, 128, 4, 131072, True)
     False
@@ -274,6 +276,13 @@ ONE_WARP_CONFIGS = (FP8_ONE_WARP, FP8_ONE_WARP_LONG, FP8_ONE_WARP_FEW, FP8_ROWS_
 # kernel's 125.8-126.3 / 127.5-128.0 and 476-478 / 491-495; four row tiles of one warp 1.23-1.49x the bf16
 # time (benchmarks/NOTES.md, twenty-second and twenty-third rounds)
 ONE_WARP_MAX_ROWS = 32
+# Each split of the one-warp kernel writes a state of 516 bytes a query row that the combine reads back; where
+# its plan's splits hold fewer than this many keys a row, the states rival the splits' K/V (256 bytes a key in
+# FP8) and the Triton kernel, whose wider programs take fewer splits, is faster: H200, e4m3, 32/8/128, windows
+# of 1k-16k at B=1 and 4, 4-32 rows, graph µs: below 8 keys a row the one-warp kernel took 1.01-1.32x the
+# Triton kernel's time (all 15 calls), from 8 on 0.77-1.10x (23 of 25 at most 1.0; benchmarks/NOTES.md,
+# twenty-third round, probe S)
+ONE_WARP_KEYS_PER_ROW = 8
 # FP8 page pools read one table entry per key: the same tiles in five stages, which Triton's pipeliner turns
 # into two K/V tiles in flight beside the table load's stage (three or four stages: one; sm_90, 232-255
 # registers, 40-46 KB, four programs per SM)

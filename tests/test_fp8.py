@@ -342,8 +342,9 @@ def test_one_warp_kernel_takes_windows_row_limits_and_row_tiles(monkeypatch):
     sinks, row limits and more than 16 query rows per KV head: a warp per 16 rows in one program where the
     pages hold whole 32-key tiles (dense included), else a program per 16 rows (the combine's row tiles the
     same); one wave, splits that cover a window or a rank's span from a whole tile below its first position;
-    deterministic splits and more than ONE_WARP_MAX_ROWS rows keep the Triton kernel. The
-    launches are recorded, not run (a Gluon kernel has no interpreter path; tests/test_gpu.py runs them)."""
+    deterministic splits, more than ONE_WARP_MAX_ROWS rows and splits of fewer than ONE_WARP_KEYS_PER_ROW keys a
+    row (the states would rival the K/V) keep the Triton kernel. The launches are recorded, not run (a Gluon
+    kernel has no interpreter path; tests/test_gpu.py runs them)."""
     from cp_attention import decode, heuristics
     from cp_attention.ops import _launch
 
@@ -358,27 +359,29 @@ def test_one_warp_kernel_takes_windows_row_limits_and_row_tiles(monkeypatch):
     monkeypatch.setattr(decode, "_LAST", (None, None))
     launches = []
     monkeypatch.setattr(_launch.Launcher, "__call__", lambda self, *args: launches.append(self))
-    t, d, hkv = 3008, 128, 2
+    b, t, d, hkv = 16, 6016, 128, 2
     cases = [  # (Q rows, GQA group, window, row limits, split_size, sinks, softcap, page size): (warps, row tiles)
         ((1, 4, 700, False, None, False, None, 0), (1, 1)), ((5, 4, None, False, None, True, 30.0, 0), (2, 1)),
-        ((4, 8, 1000, False, None, True, None, 64), (2, 1)), ((2, 16, None, True, None, False, None, 0), (2, 1)),
-        ((3, 8, 600, False, None, False, 10.0, 16), (1, 2)), ((4, 4, None, True, None, False, None, 1), (1, 1)),
+        ((4, 8, 5000, False, None, True, None, 64), (2, 1)), ((2, 16, None, True, None, False, None, 0), (2, 1)),
+        ((3, 8, 4000, False, None, False, 10.0, 16), (1, 2)), ((4, 4, None, True, None, False, None, 1), (1, 1)),
         ((2, 16, None, True, None, False, None, 32), (2, 1)), ((3, 16, 900, False, None, True, None, 0), (0, 0)),
-        ((1, 4, None, False, 512, False, None, 0), (0, 0)), ((3, 8, 333, False, None, False, None, 0), (0, 0))]
-    # (the last three: 48 rows, given splits, 512 keys)
+        ((1, 4, None, False, 512, False, None, 0), (0, 0)), ((3, 8, 333, False, None, False, None, 0), (0, 0)),
+        ((4, 4, 700, False, None, False, None, 0), (0, 0)), ((4, 8, 1000, False, None, False, None, 64), (0, 0))]
+    # (the last four: 48 rows, given splits, 512 keys, and splits of fewer than ONE_WARP_KEYS_PER_ROW keys a row)
     for (q_rows, group, window, limits, split_size, sinks, softcap, page), (warps, row_tiles) in cases:
-        q = torch.randn(1, q_rows, hkv * group, d, dtype=torch.bfloat16, device=DEVICE)
-        k8, v8, ks, vs = quantize_kv(torch.randn(1, hkv, t, d, device=DEVICE), torch.randn(1, hkv, t, d, device=DEVICE))
+        q = torch.randn(b, q_rows, hkv * group, d, dtype=torch.bfloat16, device=DEVICE)
+        k8, v8, ks, vs = quantize_kv(torch.randn(b, hkv, t, d, device=DEVICE), torch.randn(b, hkv, t, d, device=DEVICE))
         kw = dict(window_left=window, split_size=split_size, logit_softcap=softcap,
                   sinks=torch.zeros(hkv * group, device=DEVICE) if sinks else None)
         if limits:
-            kw["_row_limits"] = torch.tensor([[[5, 1200], [41, 2999]] + [[41, 3000]] * (q_rows - 2)],
+            kw["_row_limits"] = torch.tensor([[[5, 1200], [41, 5999]] + [[41, 6000]] * (q_rows - 2)] * b,
                                              dtype=torch.int32, device=DEVICE)
         if page:  # pools of the cache's pages in order: [pages, Hkv, page, D]
-            k8, v8 = (x.view(hkv, t // page, page, d).transpose(0, 1) for x in (k8, v8))
-            kw["block_table"] = torch.arange(t // page, dtype=torch.int32, device=DEVICE)[None]
+            k8, v8 = (x.view(b, hkv, t // page, page, d).transpose(1, 2).reshape(-1, hkv, page, d) for x in (k8, v8))
+            kw["block_table"] = torch.arange(b * t // page, dtype=torch.int32, device=DEVICE).view(b, -1)
         launches.clear()
-        flash_decode(q, k8, v8, torch.tensor([t - 8], dtype=torch.int32, device=DEVICE), k_scale=ks, v_scale=vs, **kw)
+        flash_decode(q, k8, v8, torch.full((b,), t - 8, dtype=torch.int32, device=DEVICE), k_scale=ks, v_scale=vs,
+                     **kw)
         split, *combine = launches
         case = (q_rows, group, window, limits, split_size, page)
         if not warps:
@@ -386,7 +389,7 @@ def test_one_warp_kernel_takes_windows_row_limits_and_row_tiles(monkeypatch):
             continue
         assert split.kernel.__name__ == "_split_kv_fp8_kernel", case
         assert split.options["num_warps"] == warps and split.constexprs["BLOCK_H"] == 16 * warps, case
-        assert split.grid[0] == hkv * row_tiles and split.grid[0] * split.grid[1] * warps <= 8 * REFERENCE_SMS, case
+        assert split.grid[0] == b * hkv * row_tiles and split.grid[0] * split.grid[1] * warps <= 8 * REFERENCE_SMS, case
         if combine:
             assert combine[0].grid[0] == split.grid[0] and combine[0].constexprs["BLOCK_H"] == 16 * warps, case
         reach = t if window is None else min(t, window + q_rows + 31)  # a window's keys from a tile below

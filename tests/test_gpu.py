@@ -658,17 +658,17 @@ def test_one_warp_fp8_kernel_against_the_dequantised_oracle(dtype8, per_head, la
 ONE_WARP_VARIANTS = [
     # (name, fp8 dtype, layout, Q rows, Hq, Hkv, num_splits, page size, window, softcap, sinks, row limits)
     ("window", torch.float8_e4m3fn, "HND", 1, 32, 8, None, 0, 700, None, False, False),
-    ("window-causal-pages16", torch.float8_e5m2, "NHD", 4, 16, 4, None, 16, 1000, None, False, False),
+    ("window-causal-pages16", torch.float8_e5m2, "NHD", 4, 16, 4, 4, 16, 1000, None, False, False),
     ("window-pages1", torch.float8_e4m3fn, "NHD", 2, 16, 4, 3, 1, 600, None, True, False),
     ("softcap-sinks-direct", torch.float8_e4m3fn, "HND", 2, 16, 4, 1, 0, None, 30.0, True, False),
     ("softcap-sinks-split", torch.float8_e5m2, "HND", 1, 32, 8, None, 64, None, 20.0, True, False),
     ("row-limits-pages1", torch.float8_e4m3fn, "NHD", 3, 24, 8, None, 1, None, None, False, True),
-    ("row-limits-32rows-pages64", torch.float8_e5m2, "HND", 4, 32, 4, None, 64, None, None, False, True),
+    ("row-limits-32rows-pages64", torch.float8_e5m2, "HND", 4, 32, 4, 4, 64, None, None, False, True),
     ("20-rows", torch.float8_e4m3fn, "HND", 5, 16, 4, None, 0, None, None, False, False),
-    ("32-rows-window", torch.float8_e4m3fn, "NHD", 2, 64, 4, 5, 0, 900, 25.0, True, False),
+    ("32-rows-window", torch.float8_e4m3fn, "NHD", 2, 64, 4, 2, 0, 900, 25.0, True, False),
     ("24-rows-direct-pages32", torch.float8_e5m2, "HND", 3, 16, 2, 1, 32, None, None, False, False),
     ("20-rows-pages16", torch.float8_e4m3fn, "NHD", 5, 16, 4, None, 16, None, None, False, False),
-    ("32-rows-window-sinks-pages64", torch.float8_e5m2, "HND", 4, 32, 4, None, 64, 800, None, True, False),
+    ("32-rows-window-sinks-pages64", torch.float8_e5m2, "HND", 4, 32, 4, 2, 64, 800, None, True, False),
     ("20-rows-softcap-sinks-direct", torch.float8_e4m3fn, "HND", 5, 16, 4, 1, 0, None, 30.0, True, False),
 ]
 
