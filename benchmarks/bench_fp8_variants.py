@@ -2,8 +2,8 @@
 
 e4m3 caches (per-tensor scales), Hq=32, Hkv=8, D=128, every sequence at the full context T. Each case runs the
 same call three ways: on the bf16 cache, on the e4m3 cache with the policy's plan (the one-warp kernel on sm_90
-where ``heuristics.one_warp_fp8`` takes the call), and on the e4m3 cache with the Triton kernel's plan
-(``decode_plan``, what the policy gave these calls before the one-warp kernel took them). µs per call with 20
+where ``heuristics.one_warp_fp8`` and ``one_warp_plan`` take the call), and on the e4m3 cache with the Triton
+kernel's plan (``decode_plan``, what the policy gave these calls before the one-warp kernel took them). µs per call with 20
 calls captured in one CUDA graph and per eager call (benchmarks/_harness.py). Sections:
 
 * ``rows``: B=1 T=128k and B=16 T=32k with Q = 1, 4, 5 and 8 query rows (the causal rule among the drafts),
@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._harness import RESULTS, TOLERANCES, measure, table, tqdm, write_json  # noqa: E402
 from cp_attention import flash_decode, quantize_kv  # noqa: E402
-from cp_attention.heuristics import decode_plan, num_sms, one_warp_fp8  # noqa: E402
+from cp_attention.heuristics import FP8_ONE_WARP_LONG, decode_plan, num_sms, one_warp_fp8, one_warp_plan  # noqa: E402
 
 HQ, HKV, D, DT = 32, 8, 128, torch.bfloat16
 WINDOW = 4096
@@ -80,9 +80,12 @@ def main():
         reach = t if "window_left" not in kw else min(t, WINDOW + q_rows)
         plan = decode_plan(b, HKV, reach, D, DT, num_sms(q.device), kv_dtype=torch.float8_e4m3fn,
                            aligned="window_left" not in kw and "_row_limits" not in kw, rows=rows_kv)
+        # the policy's kernel: a window's (or row limits') splits start a tile below the first key
+        one_warp = (one_warp_fp8(q.device, torch.float8_e4m3fn, D, rows_kv, reach, True)
+                    and one_warp_plan(b, HKV, min(t, reach + FP8_ONE_WARP_LONG.block_n - 1), num_sms(q.device),
+                                      rows=rows_kv) is not None)
         row = {"section": section, "B": b, "T": t, "Q": q_rows, "what": what,
-               "e4m3_kernel": "one-warp" if one_warp_fp8(q.device, torch.float8_e4m3fn, D, rows_kv, reach, True)
-               else "triton"}
+               "e4m3_kernel": "one-warp" if one_warp else "triton"}
         ref = flash_decode(q, k, v, **kw)
         where = f"{section} B={b} T={t} {what}"
         measure(row, "bf16", lambda: functools.partial(flash_decode, q, k, v, **kw), where=where)

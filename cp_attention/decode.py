@@ -33,8 +33,8 @@ from ._constants import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, LOG2E
 from ._dispatch import use_triton
 from ._validate import (check_bool, check_head_dim, check_index_tensor, check_int, check_kv_layout, check_kv_scales,
                         check_sm_scale, check_tensor, check_unit_stride, check_variants)
-from .heuristics import (FP8_ONE_WARP, FP8_ONE_WARP_LONG, ONE_WARP_CONFIGS, ONE_WARP_KEYS_PER_ROW, ONE_WARP_MAX_ROWS,
-                         DecodePlan, decode_plan, deterministic_plan, num_sms, one_warp_fp8, one_warp_plan, use_pdl)
+from .heuristics import (FP8_ONE_WARP, FP8_ONE_WARP_LONG, ONE_WARP_CONFIGS, ONE_WARP_MAX_ROWS, DecodePlan,
+                         decode_plan, deterministic_plan, num_sms, one_warp_fp8, one_warp_plan, use_pdl)
 from .state import AttentionState
 
 __all__ = ["flash_decode"]
@@ -206,9 +206,7 @@ def _prepare(q, k, v, seq_lens, block_table, row_limits, sinks, scales, num_spli
             # splits from a whole tile below the first key
             margin = FP8_ONE_WARP_LONG.block_n - 1 if window_left is not None or row_limits is not None else 0
             plan = one_warp_plan(b, geo.hkv, min(geo.t_max, reach + margin), num_sms(q.device), num_splits,
-                                 geo.page_size, rows)
-            if plan.tiles_per_split * plan.config.block_n < ONE_WARP_KEYS_PER_ROW * rows:  # the states outweigh
-                plan = None
+                                 geo.page_size, rows)  # None: splits too short for the rows' states
         if plan is None:
             plan = decode_plan(b, geo.hkv, reach, d, q.dtype, num_sms(q.device), num_splits, kv_dtype=k.dtype,
                                page_size=geo.page_size, aligned=window_left is None and row_limits is None, rows=rows)

@@ -100,8 +100,7 @@ def one_warp_fp8(device: torch.device, kv_dtype: torch.dtype, head_dim: int, row
     9.x (the sm_90 kernel it was written and measured for; a Gluon kernel has no interpreter path), unless the
     environment sets ``CP_ATTENTION_ONE_WARP=0`` (read once per device). ``plain``: no deterministic splits and
     no given plan (which the Triton kernel keeps); windows, softcaps, sinks and row limits run here too.
-    ``flash_decode`` also keeps the Triton kernel where the one-warp plan's splits would hold fewer than
-    :data:`ONE_WARP_KEYS_PER_ROW` keys a query row.
+    The plan may still refuse the call (:func:`one_warp_plan`: splits of too few keys a row).
 
     >>> one_warp_fp8(torch.device("cpu"), torch.float8_e4m3fn, 128, 4, 131072, True)
     False
@@ -118,7 +117,7 @@ def one_warp_fp8(device: torch.device, kv_dtype: torch.dtype, head_dim: int, row
 
 
 def one_warp_plan(batch: int, num_kv_heads: int, t_max: int, num_sms: int, splits: int | None = None,
-                  page_size: int = 0, rows: int = 1) -> DecodePlan:
+                  page_size: int = 0, rows: int = 1) -> DecodePlan | None:
     """The plan of the one-warp FP8 kernel (:func:`one_warp_fp8`): one wave of :data:`FP8_ONE_WARP`'s eight
     programs per SM (or ``splits``); where the pages, if any, hold whole 32-key tiles, in
     :data:`FP8_ONE_WARP_LONG`'s 32-key tiles (the same splits) where such a split holds more than
@@ -131,7 +130,8 @@ def one_warp_plan(batch: int, num_kv_heads: int, t_max: int, num_sms: int, split
     heads (H200, e4m3, 32/8/128, graph µs, two warps / row tiles / the Triton kernel: 20 rows at B=1 T=128k
     86.4-87.4 / 96.3-99.8 / 115.7-115.9, 32 rows 89.5-90.3 / 93.2-98.6 / 116.6, at B=16 T=32k 335-367 /
     390-394 / 437 and 350-381 / 388-402 / 443, B=64 T=8k 32 rows 338-378 / 380-393 / 433; benchmarks/NOTES.md,
-    twenty-third round).
+    twenty-third round). ``None`` where the splits would hold fewer than :data:`ONE_WARP_KEYS_PER_ROW` keys a row
+    (the Triton kernel's plan then: :func:`decode_plan`).
 
     >>> [one_warp_plan(1, 8, t, 132)[:3] for t in (131072, 1 << 20)]  # doctest: +NORMALIZE_WHITESPACE
     [(DecodeConfig(block_n=32, num_warps=1, num_stages=3, programs=4, maxnreg=0, warp_rows=16), 66, 63),
@@ -145,11 +145,20 @@ def one_warp_plan(batch: int, num_kv_heads: int, t_max: int, num_sms: int, split
      (DecodeConfig(block_n=32, num_warps=1, num_stages=3, programs=4, maxnreg=0, warp_rows=16), 66, 63)]
     >>> one_warp_plan(1, 8, 131072, 132, rows=20)[:3]  # doctest: +NORMALIZE_WHITESPACE
     (DecodeConfig(block_n=32, num_warps=2, num_stages=3, programs=4, maxnreg=0, warp_rows=16), 66, 63)
+    >>> one_warp_plan(1, 8, 4131, 132, rows=16) is None  # 65 splits of 64 keys: 4 keys a row
+    True
     """
     if rows > 16 and page_size % FP8_ROWS_32.block_n == 0:  # a warp for each 16 rows, a program a split
         plan = decode_plan(batch, num_kv_heads, t_max, 128, torch.bfloat16, num_sms, splits, FP8_ROWS_32,
-                           torch.float8_e4m3fn)
-        return plan._replace(page_tiles=page_size > 0)
+                           torch.float8_e4m3fn)._replace(page_tiles=page_size > 0)
+    else:
+        plan = _row_tile_plan(batch, num_kv_heads, t_max, num_sms, splits, page_size, rows)
+    return plan if plan.tiles_per_split * plan.config.block_n >= ONE_WARP_KEYS_PER_ROW * rows else None
+
+
+def _row_tile_plan(batch: int, num_kv_heads: int, t_max: int, num_sms: int, splits: int | None, page_size: int,
+                   rows: int) -> DecodePlan:
+    """:func:`one_warp_plan` in programs of one warp, a row tile of 16 rows each."""
     row_tiles = -(-rows // 16)
     heads = num_kv_heads * row_tiles
     plan = decode_plan(batch, heads, t_max, 128, torch.bfloat16, num_sms, splits, FP8_ONE_WARP, torch.float8_e4m3fn)

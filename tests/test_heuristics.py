@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from cp_attention.heuristics import (FOUR_PER_SM, FP8_ONE_WARP, FP8_ONE_WARP_FEW, FP8_ONE_WARP_LONG, FP8_ROWS_32,
-                                      FP8_TABLE_LOOP, FP8_TWO_WARPS, REFERENCE_SMS, WIDE_FP8, WIDE_FP8_TABLE_LOOP, WIDE_HEADS, WIDE_PAGES, DecodeConfig, DecodePlan,
+                                      FP8_TABLE_LOOP, FP8_TWO_WARPS, ONE_WARP_KEYS_PER_ROW, REFERENCE_SMS, WIDE_FP8,
+                                      WIDE_FP8_TABLE_LOOP, WIDE_HEADS, WIDE_PAGES, DecodeConfig, DecodePlan,
                                       PrefixConfig, decode_config, decode_plan, num_sms, num_splits, prefix_config, prefix_num_splits,
                                       one_warp_fp8, one_warp_plan, prefix_plan)
 from cp_attention.ops.split_kv import kernel_rows
@@ -240,16 +241,24 @@ def test_one_warp_fp8_domain_and_plan(monkeypatch):
     assert one_warp_plan(1, 8, 1 << 20, 132, splits=7)[:3] == (FP8_ONE_WARP_LONG, 7, 4682)
     assert one_warp_plan(1, 8, 131072, 132, splits=7)[:3] == (FP8_ONE_WARP_LONG, 7, 586)
     assert one_warp_plan(1, 8, 131072, 132, splits=200)[:3] == (FP8_ONE_WARP_FEW, 196, 21)
+    refused = 0
     for (b, t), page, rows in itertools.product(long_tiles, (0, 1, 16, 64), (17, 32)):
         plan = one_warp_plan(b, 8, t, 132, page_size=page, rows=rows)
         if page % 32 == 0:  # two warps a program, one a split: four programs (eight warps) an SM, 32-key tiles
-            four = decode_plan(b, 8, t, 128, torch.bfloat16, 132, None, FP8_ROWS_32, e4m3)
-            assert plan[:3] == four[:3] and plan.page_tiles == (page > 0), (b, t, page, plan)
-            assert plan.num_splits * b * 8 <= 4 * 132 and kernel_rows(plan.config) == 32
+            want = decode_plan(b, 8, t, 128, torch.bfloat16, 132, None, FP8_ROWS_32, e4m3)
         else:  # row tiles of one warp in the wave like KV heads, eight programs an SM
-            eight = decode_plan(b, 16, t, 128, torch.bfloat16, 132, None, FP8_ONE_WARP, e4m3)
-            assert plan.num_splits == eight.num_splits and plan.config == FP8_ONE_WARP, (b, t, page, plan)
+            want = decode_plan(b, 16, t, 128, torch.bfloat16, 132, None, FP8_ONE_WARP, e4m3)
+        if want.tiles_per_split * want.config.block_n < ONE_WARP_KEYS_PER_ROW * rows:  # the states would outweigh
+            assert plan is None, (b, t, page, rows, want)
+            refused += 1
+        elif page % 32 == 0:
+            assert plan[:3] == want[:3] and plan.page_tiles == (page > 0), (b, t, page, plan)
+            assert plan.num_splits * b * 8 <= 4 * 132 and kernel_rows(plan.config) == 32
+        else:
+            assert plan.num_splits == want.num_splits and plan.config == FP8_ONE_WARP, (b, t, page, plan)
             assert kernel_rows(plan.config) == 16
+    assert 0 < refused < 32
+    assert one_warp_plan(1, 8, 4131, 132, rows=4) is not None and one_warp_plan(1, 8, 4131, 132, rows=16) is None
     for (b, t), page in itertools.product(long_tiles, (1, 8, 16, 24, 48, 64)):
         dense, paged = one_warp_plan(b, 8, t, 132), one_warp_plan(b, 8, t, 132, page_size=page)
         eight = decode_plan(b, 8, t, 128, torch.bfloat16, 132, None, FP8_ONE_WARP, e4m3)
