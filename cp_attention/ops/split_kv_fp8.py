@@ -53,7 +53,7 @@ read a tile ahead of its copy where a page holds whole tiles, else one a key). A
 program (``BLOCK_H`` 32) where the pages hold whole 32-key tiles: the ``mma`` layouts put a warp on each 16
 rows, every warp reads the whole tile from the shared ring into its registers (a zero warp basis in the tile
 layouts), and the warps exchange one word a tile (the lazy max's any-row test); on smaller pages they run as
-row tiles of one warp, a program each, each reading the split's K/V. (Four warps for 64 rows were 25-36%
+row tiles of one warp, a program each, each reading the split's K/V. (Four warps for 64 rows were 26-33%
 slower than the Triton kernel's 64-row tiles: each warp does a whole tile's work for its rows.) With
 a window or row limits the splits start on a whole tile below the first position any row sees (a tile then
 stays within a page), and the tiles that reach below a row's first position are masked like those that
