@@ -149,11 +149,15 @@ def one_warp_plan(batch: int, num_kv_heads: int, t_max: int, num_sms: int, split
     True
     """
     if rows > 16 and page_size % FP8_ROWS_32.block_n == 0:  # a warp for each 16 rows, a program a split
-        plan = decode_plan(batch, num_kv_heads, t_max, 128, torch.bfloat16, num_sms, splits, FP8_ROWS_32,
-                           torch.float8_e4m3fn)._replace(page_tiles=page_size > 0)
+        plan = _fp8_splits(batch, num_kv_heads, t_max, num_sms, splits, FP8_ROWS_32)._replace(page_tiles=page_size > 0)
     else:
         plan = _row_tile_plan(batch, num_kv_heads, t_max, num_sms, splits, page_size, rows)
     return plan if plan.tiles_per_split * plan.config.block_n >= ONE_WARP_KEYS_PER_ROW * rows else None
+
+
+def _fp8_splits(batch: int, heads: int, t_max: int, num_sms: int, splits: int | None, config) -> DecodePlan:
+    """:func:`decode_plan`'s one wave of ``config`` for the one-warp kernel (head dim 128, an FP8 cache)."""
+    return decode_plan(batch, heads, t_max, 128, torch.bfloat16, num_sms, splits, config, torch.float8_e4m3fn)
 
 
 def _row_tile_plan(batch: int, num_kv_heads: int, t_max: int, num_sms: int, splits: int | None, page_size: int,
@@ -161,14 +165,12 @@ def _row_tile_plan(batch: int, num_kv_heads: int, t_max: int, num_sms: int, spli
     """:func:`one_warp_plan` in programs of one warp, a row tile of 16 rows each."""
     row_tiles = -(-rows // 16)
     heads = num_kv_heads * row_tiles
-    plan = decode_plan(batch, heads, t_max, 128, torch.bfloat16, num_sms, splits, FP8_ONE_WARP, torch.float8_e4m3fn)
+    plan = _fp8_splits(batch, heads, t_max, num_sms, splits, FP8_ONE_WARP)
     keys = plan.tiles_per_split * FP8_ONE_WARP.block_n
     if page_size % FP8_ONE_WARP_LONG.block_n == 0 and keys > LONG_SPLIT_KEYS:
-        plan = decode_plan(batch, heads, t_max, 128, torch.bfloat16, num_sms, plan.num_splits, FP8_ONE_WARP_LONG,
-                           torch.float8_e4m3fn)
+        plan = _fp8_splits(batch, heads, t_max, num_sms, plan.num_splits, FP8_ONE_WARP_LONG)
     elif page_size % FP8_ONE_WARP_FEW.block_n == 0 and keys <= FEW_SPLIT_KEYS:
-        plan = decode_plan(batch, heads, t_max, 128, torch.bfloat16, num_sms, splits, FP8_ONE_WARP_FEW,
-                           torch.float8_e4m3fn)
+        plan = _fp8_splits(batch, heads, t_max, num_sms, splits, FP8_ONE_WARP_FEW)
     return plan._replace(page_tiles=page_size > 0 and page_size % plan.config.block_n == 0)
 
 
