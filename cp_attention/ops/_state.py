@@ -174,6 +174,21 @@ def seq_length(SEQ_LENS, stride_sl, i_seq, T_MAX, HAS_SEQ_LENS: tl.constexpr):
 
 
 @triton.jit
+def first_position(ROW_LIMITS, stride_rlb, SEQ_LENS, stride_sl, i_seq, T_MAX, WINDOW, Q_ROWS: tl.constexpr,
+                   HAS_SEQ_LENS: tl.constexpr, HAS_ROW_LIMITS: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """The lowest position any query row of sequence ``i_seq`` sees, from which the splits tile the keys
+    (:func:`split_range`'s ``base``): row 0's given lower limit (``ROW_LIMITS [B, Q, 2]``), the start of row 0's
+    window, or 0; at least 0."""
+    if HAS_ROW_LIMITS:
+        base = tl.maximum(tl.load(ROW_LIMITS + i_seq * stride_rlb), 0)
+    elif HAS_WINDOW:
+        base = tl.maximum(seq_length(SEQ_LENS, stride_sl, i_seq, T_MAX, HAS_SEQ_LENS) - Q_ROWS - WINDOW, 0)
+    else:
+        base = 0
+    return base
+
+
+@triton.jit
 def split_range(SEQ_LENS, stride_sl, i_seq, i_s, T_MAX, TILES_PER_SPLIT, BLOCK_N: tl.constexpr,
                 HAS_SEQ_LENS: tl.constexpr, base):
     """The keys of split ``i_s`` of sequence ``i_seq``: ``[t_start, t_end)`` with splits of

@@ -80,7 +80,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._dot import dot_flags
 from ._launch import pdl_options
-from ._state import (add_sink, attend_tiles, fp16_query, kv_bases, merge_tile, score_scales, seq_length,
+from ._state import (add_sink, attend_tiles, first_position, fp16_query, kv_bases, merge_tile, score_scales,
                      split_range)
 from .._dispatch import next_pow2
 from ..heuristics import (FOUR_PER_SM, FP8_TABLE_LOOP, FP8_TWO_WARPS, ONE_WARP_CONFIGS, WIDE_FP8, WIDE_FP8_TABLE_LOOP,
@@ -129,14 +129,9 @@ def _split_kv_kernel(
     i_b64 = i_b.to(tl.int64)
     i_h64 = i_h.to(tl.int64)
 
-    # The splits tile the keys any row may see, from the lowest one: 0, the start of row 0's window, or
-    # row 0's given lower limit.
-    if HAS_ROW_LIMITS:
-        base = tl.maximum(tl.load(ROW_LIMITS + i_b64 * stride_rlb), 0)
-    elif HAS_WINDOW:
-        base = tl.maximum(seq_length(SEQ_LENS, stride_sl, i_b64, T_MAX, HAS_SEQ_LENS) - Q_ROWS - WINDOW, 0)
-    else:
-        base = 0
+    # The splits tile the keys any row may see, from the lowest one
+    base = first_position(ROW_LIMITS, stride_rlb, SEQ_LENS, stride_sl, i_b64, T_MAX, WINDOW, Q_ROWS, HAS_SEQ_LENS,
+                          HAS_ROW_LIMITS, HAS_WINDOW)
     seq_len, chunk, t_start, t_end = split_range(SEQ_LENS, stride_sl, i_b64, i_s, T_MAX, TILES_PER_SPLIT,
                                                  BLOCK_N, HAS_SEQ_LENS, base)
 

@@ -69,8 +69,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.runtime.jit import constexpr_function
 
 from .split_kv import row_heads
-from ._state import (LN2, add_sink, capped, finalize, fp16_query, kv_bases, lazy_running_max, score_scales,
-                     seq_length, split_range, table_entries, take_weights)
+from ._state import (LN2, add_sink, capped, finalize, first_position, fp16_query, kv_bases, lazy_running_max,
+                     score_scales, split_range, table_entries, take_weights)
 
 # Triton 3.6's names of the cp.async copy and the CTA barrier; later versions call them async_load and
 # barrier (same arguments)
@@ -252,13 +252,8 @@ def _split_kv_fp8_kernel(
     i_h64 = (i_bh % HKV).to(gl.int64)
     # The splits tile the keys any row may see from the lowest one (as split_kv._split_kv_kernel), here rounded
     # down to a whole tile so that a tile stays within a page; the keys below a row's first are masked.
-    if HAS_ROW_LIMITS:
-        base = gl.maximum(gl.load(ROW_LIMITS + i_b64 * stride_rlb), 0) // BLOCK_N * BLOCK_N
-    elif HAS_WINDOW:
-        base = gl.maximum(seq_length(SEQ_LENS, stride_sl, i_b64, T_MAX, HAS_SEQ_LENS) - Q_ROWS - WINDOW,
-                          0) // BLOCK_N * BLOCK_N
-    else:
-        base = 0
+    base = first_position(ROW_LIMITS, stride_rlb, SEQ_LENS, stride_sl, i_b64, T_MAX, WINDOW, Q_ROWS, HAS_SEQ_LENS,
+                          HAS_ROW_LIMITS, HAS_WINDOW) // BLOCK_N * BLOCK_N
     seq_len, _, t_start, t_end = split_range(SEQ_LENS, stride_sl, i_b64, i_s, T_MAX, TILES_PER_SPLIT, BLOCK_N,
                                              HAS_SEQ_LENS, base)
 
