@@ -206,7 +206,7 @@ def _prepare(q, k, v, seq_lens, block_table, row_limits, sinks, scales, num_spli
             # splits from a whole tile below the first key
             margin = FP8_ONE_WARP_LONG.block_n - 1 if window_left is not None or row_limits is not None else 0
             plan = one_warp_plan(b, geo.hkv, min(geo.t_max, reach + margin), num_sms(q.device), num_splits,
-                                 geo.page_size, rows)  # None: splits too short for the rows' states
+                                 geo.page_size, rows, d)  # None: splits too short for the rows' states
         if plan is None:
             plan = decode_plan(b, geo.hkv, reach, d, q.dtype, num_sms(q.device), num_splits, kv_dtype=k.dtype,
                                page_size=geo.page_size, aligned=window_left is None and row_limits is None, rows=rows)
@@ -225,8 +225,8 @@ def _prepare(q, k, v, seq_lens, block_table, row_limits, sinks, scales, num_spli
                 and plan.page_tiles == (geo.page_size > 0 and geo.page_size % plan.config.block_n == 0)
                 and (plan.page_tiles or not geo.page_size or plan.config == FP8_ONE_WARP)
                 and not plan.split_pages and plan.streams == 1):
-            raise ValueError(f"plan: the one-warp FP8 configs run an FP8 cache of head dim 128 and more than 512 "
-                             f"positions read by at most {ONE_WARP_MAX_ROWS} query rows per KV head, dense or paged "
+            raise ValueError(f"plan: the one-warp FP8 configs run an FP8 cache of head dim 128 or 256 and more than "
+                             f"512 positions read by at most {ONE_WARP_MAX_ROWS} query rows per KV head, dense or paged "
                              f"(page_tiles where a page holds whole tiles, else 16-key tiles with an entry a key), "
                              f"without split_size, on an sm_90 GPU")
         from .ops.split_kv_fp8 import _split_kv_fp8_kernel

@@ -94,7 +94,7 @@ def use_pdl(device: torch.device) -> bool:
 def one_warp_fp8(device: torch.device, kv_dtype: torch.dtype, head_dim: int, rows: int, t_max: int,
                  plain: bool, page_size: int = 0) -> bool:
     """Whether a decode runs the one-warp FP8 kernel (``ops/split_kv_fp8.py``, Note [One-warp FP8 tiles]),
-    planned with :func:`one_warp_plan`: an FP8 cache of head dim 128 and more than 512 positions, dense or in
+    planned with :func:`one_warp_plan`: an FP8 cache of head dim 128 or 256 and more than 512 positions, dense or in
     pages of any size (``page_size``; 0: dense), at most :data:`ONE_WARP_MAX_ROWS` query rows per KV head
     (query rows x GQA group: a warp for each 16, :func:`one_warp_plan`), on a CUDA device of compute capability
     9.x (the sm_90 kernel it was written and measured for; a Gluon kernel has no interpreter path), unless the
@@ -105,7 +105,7 @@ def one_warp_fp8(device: torch.device, kv_dtype: torch.dtype, head_dim: int, row
     >>> one_warp_fp8(torch.device("cpu"), torch.float8_e4m3fn, 128, 4, 131072, True)
     False
     """
-    if not (plain and device.type == "cuda" and kv_dtype.itemsize == 1 and head_dim == 128
+    if not (plain and device.type == "cuda" and kv_dtype.itemsize == 1 and head_dim in (128, 256)
             and rows <= ONE_WARP_MAX_ROWS and t_max > 512) or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     use = _SM90.get(device)
@@ -117,7 +117,7 @@ def one_warp_fp8(device: torch.device, kv_dtype: torch.dtype, head_dim: int, row
 
 
 def one_warp_plan(batch: int, num_kv_heads: int, t_max: int, num_sms: int, splits: int | None = None,
-                  page_size: int = 0, rows: int = 1) -> DecodePlan | None:
+                  page_size: int = 0, rows: int = 1, head_dim: int = 128) -> DecodePlan | None:
     """The plan of the one-warp FP8 kernel (:func:`one_warp_fp8`): one wave of :data:`FP8_ONE_WARP`'s eight
     programs per SM (or ``splits``); where the pages, if any, hold whole 32-key tiles, in
     :data:`FP8_ONE_WARP_LONG`'s 32-key tiles (the same splits) where such a split holds more than
@@ -131,7 +131,11 @@ def one_warp_plan(batch: int, num_kv_heads: int, t_max: int, num_sms: int, split
     86.4-87.4 / 96.3-99.8 / 115.7-115.9, 32 rows 89.5-90.3 / 93.2-98.6 / 116.6, at B=16 T=32k 335-367 /
     390-394 / 437 and 350-381 / 388-402 / 443, B=64 T=8k 32 rows 338-378 / 380-393 / 433; benchmarks/NOTES.md,
     twenty-third round). ``None`` where the splits would hold fewer than :data:`ONE_WARP_KEYS_PER_ROW` keys a row
-    (the Triton kernel's plan then: :func:`decode_plan`).
+    (the Triton kernel's plan then: :func:`decode_plan`). Head dim 256 (``head_dim``) keeps :data:`FP8_ONE_WARP`'s
+    16-key tiles (the bytes of a 32-key tile at 128; 32-key tiles take 48 KB, eight do not fit an SM): H200, e4m3,
+    16/8/256, graph µs, against four programs per SM in 16- or 32-key tiles: B=1 T=128k 138.2-138.4 / 155.1-156.2
+    / 140.5-140.8, B=16 T=32k 504.2-508.0 / 611.6-645.6 / 538.4-567.2, B=64 T=8k 503.5-508.4 / 624.3-657.8 /
+    554.5-613.6, B=4 T=32k 140.4-143.7 / 158.2-162.2 / 142.0-146.6 (benchmarks/NOTES.md, twenty-fifth round).
 
     >>> [one_warp_plan(1, 8, t, 132)[:3] for t in (131072, 1 << 20)]  # doctest: +NORMALIZE_WHITESPACE
     [(DecodeConfig(block_n=32, num_warps=1, num_stages=3, programs=4, maxnreg=0, warp_rows=16), 66, 63),
@@ -149,25 +153,29 @@ def one_warp_plan(batch: int, num_kv_heads: int, t_max: int, num_sms: int, split
     True
     """
     if rows > 16 and page_size % FP8_ROWS_32.block_n == 0:  # a warp for each 16 rows, a program a split
-        plan = _fp8_splits(batch, num_kv_heads, t_max, num_sms, splits, FP8_ROWS_32)._replace(page_tiles=page_size > 0)
+        plan = _fp8_splits(batch, num_kv_heads, t_max, num_sms, splits, FP8_ROWS_32, head_dim)
+        plan = plan._replace(page_tiles=page_size > 0)
     else:
-        plan = _row_tile_plan(batch, num_kv_heads, t_max, num_sms, splits, page_size, rows)
+        plan = _row_tile_plan(batch, num_kv_heads, t_max, num_sms, splits, page_size, rows, head_dim)
     return plan if plan.tiles_per_split * plan.config.block_n >= ONE_WARP_KEYS_PER_ROW * rows else None
 
 
-def _fp8_splits(batch: int, heads: int, t_max: int, num_sms: int, splits: int | None, config) -> DecodePlan:
-    """:func:`decode_plan`'s one wave of ``config`` for the one-warp kernel (head dim 128, an FP8 cache)."""
-    return decode_plan(batch, heads, t_max, 128, torch.bfloat16, num_sms, splits, config, torch.float8_e4m3fn)
+def _fp8_splits(batch: int, heads: int, t_max: int, num_sms: int, splits: int | None, config,
+                head_dim: int = 128) -> DecodePlan:
+    """:func:`decode_plan`'s one wave of ``config`` for the one-warp kernel (an FP8 cache)."""
+    return decode_plan(batch, heads, t_max, head_dim, torch.bfloat16, num_sms, splits, config, torch.float8_e4m3fn)
 
 
 def _row_tile_plan(batch: int, num_kv_heads: int, t_max: int, num_sms: int, splits: int | None, page_size: int,
-                   rows: int) -> DecodePlan:
+                   rows: int, head_dim: int) -> DecodePlan:
     """:func:`one_warp_plan` in programs of one warp, a row tile of 16 rows each."""
     row_tiles = -(-rows // 16)
     heads = num_kv_heads * row_tiles
-    plan = _fp8_splits(batch, heads, t_max, num_sms, splits, FP8_ONE_WARP)
+    plan = _fp8_splits(batch, heads, t_max, num_sms, splits, FP8_ONE_WARP, head_dim)
     keys = plan.tiles_per_split * FP8_ONE_WARP.block_n
-    if page_size % FP8_ONE_WARP_LONG.block_n == 0 and keys > LONG_SPLIT_KEYS:
+    if head_dim > 128:  # 16-key tiles (:func:`one_warp_plan`)
+        pass
+    elif page_size % FP8_ONE_WARP_LONG.block_n == 0 and keys > LONG_SPLIT_KEYS:
         plan = _fp8_splits(batch, heads, t_max, num_sms, plan.num_splits, FP8_ONE_WARP_LONG)
     elif page_size % FP8_ONE_WARP_FEW.block_n == 0 and keys <= FEW_SPLIT_KEYS:
         plan = _fp8_splits(batch, heads, t_max, num_sms, splits, FP8_ONE_WARP_FEW)
@@ -259,7 +267,8 @@ FP8_TWO_WARPS = DecodeConfig(64, 2, 3, programs=4)
 # The one-warp FP8 kernel of sm_90 (ops/split_kv_fp8.py, :func:`one_warp_fp8`): 16-key tiles, one warp, a ring
 # of three stages, eight programs per SM (168-192 registers, 12 KB of shared memory; H200, e4m3, 32/8/128,
 # graph µs at one wave: 8 programs a SM against 12 at B=1 T=128k 77.2 / 81.7, B=16 T=32k 259.9 / 270.9,
-# B=64 T=8k 271.3 / 277.6, B=1 T=1M 530.2 / 516.9; benchmarks/NOTES.md, nineteenth round)
+# B=64 T=8k 271.3 / 277.6, B=1 T=1M 530.2 / 516.9; benchmarks/NOTES.md, nineteenth round); at head dim 256 the
+# same tiles hold twice the bytes (255 registers, 24 KB: eight programs fill an SM's registers)
 FP8_ONE_WARP = DecodeConfig(16, 1, 3, programs=8, warp_rows=16)
 # ... in 32-key tiles (202-226 registers, 24 KB; still eight per SM) for splits of more than LONG_SPLIT_KEYS
 # positions: H200, e4m3, 32/8/128, graph µs, ABBA in one process: B=1 T=1M (7944 a split) 496.0-498.1 against
@@ -299,7 +308,8 @@ ONE_WARP_KEYS_PER_ROW = 8
 # registers, 40-46 KB, four programs per SM)
 FP8_TABLE_LOOP = DecodeConfig(64, 2, 5, programs=4)
 # Head dims over 128 (dense caches, query tiles of at most 32 rows), counted from sm_90 compiles at D = 256:
-# 16-bit, two programs per SM (105-128 registers x 256 threads, 76-87 KB); FP8, 32-key tiles of two warps,
+# 16-bit, two programs per SM (105-128 registers x 256 threads, 76-87 KB); FP8 (where the one-warp kernel does not
+# run: more than 32 rows, deterministic splits, a given plan, no sm_90 GPU), 32-key tiles of two warps,
 # four per SM (251-255 registers x 64 threads, 42-52 KB; tiles of at most 8 query rows pair their values,
 # 168-248 registers and 43 KB, where five would fit: four are planned, as measured; split_kv.pairs_values).
 WIDE_HEADS = DecodeConfig(64, 8, 2, programs=2)

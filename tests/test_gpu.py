@@ -472,13 +472,14 @@ def shuffled_nhd_pools(k, v, page, layout="NHD"):
 # FP8 cache forms of the configs: dense (two warps, key streams), head dim 256 (WIDE_FP8, dense and in
 # pages of 16 through the register table; pages of 64, one table entry loaded a tile), NHD pools of shuffled
 # pages of one position (one table entry per key: FP8_TABLE_LOOP), of 64 (the table in registers, each tile's
-# page gathered) and of 256 (one entry loaded a tile); the one-warp kernel's (the policy's on sm_90 at head dim
-# 128) dense and on pages of 1 (an entry a key), 16 and 256 (an entry a tile); dense and on pages of 256 in the
-# four-program plan's 32-key tiles (its splits are short at B=2 T=40k)
+# page gathered) and of 256 (one entry loaded a tile); the one-warp kernel's (the policy's on sm_90 at head dims
+# 128 and 256) dense and on pages of 1 (an entry a key), 16 and 256 (an entry a tile); dense and on pages of 256 in
+# the four-program plan's 32-key tiles (its splits are short at B=2 T=40k); at head dim 256 dense and on pages of 16
 FP8_FORMS = {"dense": (32, 128, 0, FP8_TWO_WARPS), "dense1w": (32, 128, 0, FP8_ONE_WARP_FEW),
              "page1_1w": (32, 128, 1, FP8_ONE_WARP), "page16_1w": (32, 128, 16, FP8_ONE_WARP),
              "page256_1w": (32, 128, 256, FP8_ONE_WARP_FEW),
-             "d256": (16, 256, 0, WIDE_FP8),
+             "d256": (16, 256, 0, WIDE_FP8), "d256_1w": (16, 256, 0, FP8_ONE_WARP),
+             "d256page16_1w": (16, 256, 16, FP8_ONE_WARP),
              "d256page16": (16, 256, 16, WIDE_FP8), "d256page64": (16, 256, 64, WIDE_FP8_TABLE_LOOP),
              "page1": (32, 128, 1, FP8_TABLE_LOOP), "page64": (32, 128, 64, FP8_TWO_WARPS),
              "page256": (32, 128, 256, FP8_TABLE_LOOP)}
@@ -498,14 +499,14 @@ def test_fp8_long_cache_against_the_dequantised_oracle(dtype8, form):
     sl = torch.tensor([t, 9_999], device="cuda", dtype=torch.int32)
     k8, v8, ks, vs = quantize_kv(k, v, dtype8, per_head=True)
     if config in (FP8_ONE_WARP, FP8_ONE_WARP_FEW):
-        plan = one_warp_plan(b, hkv, t, num_sms(q.device), page_size=page)
+        plan = one_warp_plan(b, hkv, t, num_sms(q.device), page_size=page, head_dim=d)
         assert plan.config == config and plan.page_tiles == (page >= config.block_n), plan
     else:
         plan = decode_plan(b, hkv, t, d, q.dtype, num_sms(q.device), kv_dtype=dtype8, page_size=page,
                            rows=hq // hkv)
         assert plan.config == config and plan.page_tiles == (page >= 2 * config.block_n), plan
-    # the policy runs the one-warp kernel on this GPU at head dim 128, dense or paged
-    assert one_warp_fp8(q.device, dtype8, d, hq // hkv, t, True, page) == (d == 128)
+    # the policy runs the one-warp kernel on this GPU at head dims 128 and 256, dense or paged
+    assert one_warp_fp8(q.device, dtype8, d, hq // hkv, t, True, page)
     kc, vc, kw = k8, v8, {}
     if page:
         kc, vc, table = shuffled_nhd_pools(k8, v8, page)
@@ -600,18 +601,46 @@ ONE_WARP_CASES = [
 ]
 
 
+def _case_ids(cases):
+    return [f"{str(c[0])[6:]}-{'head' if c[1] else 'float'}-{c[2]}-Q{c[3]}-{c[4]}x{c[5]}-S{c[6]}-P{c[7]}"
+            for c in cases]
+
+
 @pytest.mark.parametrize("dtype8,per_head,layout,q_rows,hq,hkv,splits,page", ONE_WARP_CASES,
-                         ids=[f"{str(c[0])[6:]}-{'head' if c[1] else 'float'}-{c[2]}-Q{c[3]}-{c[4]}x{c[5]}-S{c[6]}"
-                              f"-P{c[7]}" for c in ONE_WARP_CASES])
+                         ids=_case_ids(ONE_WARP_CASES))
 def test_one_warp_fp8_kernel_against_the_dequantised_oracle(dtype8, per_head, layout, q_rows, hq, hkv, splits, page):
     """Note [One-warp FP8 tiles]: the Gluon kernel (no interpreter path: this is its numerical test) against
     the float64 oracle on the dequantised cache, dense or in shuffled page pools, ragged lengths (empty,
     shorter than the drafts, mid-tile, one tile past a split), NaN past each length and in the output buffers
     before the call; and against the Triton two-warp kernel on the same call."""
+    _check_one_warp(dtype8, per_head, layout, q_rows, hq, hkv, splits, page, 128)
+
+
+ONE_WARP_D256_CASES = [
+    # as ONE_WARP_CASES, head dim 256 (its 16-key tiles hold the bytes of 32 keys at 128)
+    (torch.float8_e4m3fn, False, "HND", 1, 16, 8, None, 0),  # GQA 2
+    (torch.float8_e5m2, True, "NHD", 4, 16, 8, 3, 0),  # 8 causal rows
+    (torch.float8_e4m3fn, True, "HND", 1, 32, 4, 2, 16),  # GQA 8 on pages of 16, an entry a tile
+    (torch.float8_e5m2, False, "NHD", 2, 16, 2, None, 1),  # 16 causal rows on pages of 1, an entry a key
+    (torch.float8_e4m3fn, True, "HND", 5, 16, 4, None, 64),  # 20 causal rows: two warps, pages of 64
+    (torch.float8_e4m3fn, False, "NHD", 3, 20, 4, "long", 0),  # 15 causal rows of GQA 5 in 32-key tiles
+]
+
+
+@pytest.mark.parametrize("dtype8,per_head,layout,q_rows,hq,hkv,splits,page", ONE_WARP_D256_CASES,
+                         ids=_case_ids(ONE_WARP_D256_CASES))
+def test_one_warp_fp8_head_dim_256_against_the_dequantised_oracle(dtype8, per_head, layout, q_rows, hq, hkv, splits,
+                                                                  page):
+    """The one-warp kernel at head dim 256 (the permutations of Note [One-warp FP8 tiles] over 256 dims), as
+    at 128: the float64 oracle and the Triton kernel (WIDE_FP8, dense) on the same values."""
+    _check_one_warp(dtype8, per_head, layout, q_rows, hq, hkv, splits, page, 256)
+
+
+def _check_one_warp(dtype8, per_head, layout, q_rows, hq, hkv, splits, page, d):
     from cp_attention import quantize_kv
 
-    torch.manual_seed(q_rows * 100 + hq + page)
-    b, t, d = 4, -(-5003 // max(page, 1)) * max(page, 1), 128
+    torch.manual_seed(q_rows * 100 + hq + page + d)
+    b, t = 4, -(-5003 // max(page, 1)) * max(page, 1)
     q = torch.randn(b, q_rows, hq, d, device="cuda", dtype=torch.bfloat16) * 2
     k = torch.randn(b, hkv, t, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(b, hkv, t, d, device="cuda", dtype=torch.bfloat16)
@@ -647,10 +676,14 @@ def test_one_warp_fp8_kernel_against_the_dequantised_oracle(dtype8, per_head, la
     seen = torch.isfinite(ref.lse)  # the lse sums the unrounded weights: fp32-accurate (2 keys to 5003)
     torch.testing.assert_close(got.lse.double()[seen], ref.lse[seen], atol=2e-5, rtol=0)
     kw.pop("num_splits", None)
-    two = decode_plan(b, hkv, t, d, q.dtype, num_sms(q.device), splits, config=FP8_TWO_WARPS)
-    two = two._replace(streams=1) if page else two  # key streams read dense caches only
-    other = flash_decode(q, kc, vc, sl, kv_layout=layout, k_scale=scales[0], v_scale=scales[1],
-                         return_lse=True, **dict(kw, plan=two))
+    if d == 128:
+        two = decode_plan(b, hkv, t, d, q.dtype, num_sms(q.device), splits, config=FP8_TWO_WARPS)
+        two = two._replace(streams=1) if page else two  # key streams read dense caches only
+        other = flash_decode(q, kc, vc, sl, kv_layout=layout, k_scale=scales[0], v_scale=scales[1],
+                             return_lse=True, **dict(kw, plan=two))
+    else:  # the Triton kernel's head-dim-256 tiles on the dense cache
+        wide = decode_plan(b, hkv, t, d, q.dtype, num_sms(q.device), splits, config=WIDE_FP8)
+        other = flash_decode(q, k8, v8, sl, k_scale=scales[0], v_scale=scales[1], return_lse=True, plan=wide)
     torch.testing.assert_close(got.o, other.o, atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(got.lse, other.lse, atol=1e-4, rtol=1e-5)
 

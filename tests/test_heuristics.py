@@ -209,10 +209,11 @@ def test_prefix_policy():
 
 def test_one_warp_fp8_domain_and_plan(monkeypatch):
     """Note [One-warp FP8 tiles]: only CUDA devices of compute capability 9 run the Gluon kernel (never the
-    CPU or the interpreter), for FP8 caches of head dim 128 and more than 512 positions, dense or paged, read
-    by at most 32 query rows (in row tiles of 16); its plan is one wave of eight one-warp programs per SM (of four in 32-key tiles
-    where the eight's splits hold at most 2048 positions), the dense cache's splits for a paged one (one table
-    entry a tile where pages hold whole tiles), in 32-key tiles only where pages hold them."""
+    CPU or the interpreter), for FP8 caches of head dim 128 or 256 and more than 512 positions, dense or paged,
+    read by at most 32 query rows (in row tiles of 16); its plan is one wave of eight one-warp programs per SM (of
+    four in 32-key tiles where the eight's splits hold at most 2048 positions; at head dim 256 always eight in
+    16-key tiles), the dense cache's splits for a paged one (one table entry a tile where pages hold whole tiles),
+    in 32-key tiles only where pages hold them."""
     e4m3 = torch.float8_e4m3fn
     assert not one_warp_fp8(torch.device("cpu"), e4m3, 128, 4, 131072, True)
     cuda = torch.device("cuda", 0)
@@ -221,8 +222,10 @@ def test_one_warp_fp8_domain_and_plan(monkeypatch):
     assert one_warp_fp8(cuda, e4m3, 128, 4, 131072, True)
     assert one_warp_fp8(cuda, torch.float8_e5m2, 128, 16, 513, True)
     assert one_warp_fp8(cuda, e4m3, 128, 32, 131072, True)  # two warps, or two row tiles
-    for args in [(torch.bfloat16, 128, 4, 131072, True), (e4m3, 256, 4, 131072, True), (e4m3, 64, 4, 131072, True),
-                 (e4m3, 128, 33, 131072, True), (e4m3, 128, 4, 512, True), (e4m3, 128, 4, 131072, False)]:
+    assert one_warp_fp8(cuda, e4m3, 256, 2, 131072, True) and one_warp_fp8(cuda, e4m3, 256, 32, 8192, True, 64)
+    for args in [(torch.bfloat16, 128, 4, 131072, True), (e4m3, 192, 4, 131072, True), (e4m3, 64, 4, 131072, True),
+                 (e4m3, 128, 33, 131072, True), (e4m3, 128, 4, 512, True), (e4m3, 128, 4, 131072, False),
+                 (e4m3, 256, 33, 131072, True)]:
         assert not one_warp_fp8(cuda, *args), args
     for page in (1, 8, 16, 24, 32, 48, 64, 256, 1024):
         assert one_warp_fp8(cuda, e4m3, 128, 4, 131072, True, page)
@@ -238,6 +241,10 @@ def test_one_warp_fp8_domain_and_plan(monkeypatch):
         eight = decode_plan(b, 8, t, 128, torch.bfloat16, 132, None, FP8_ONE_WARP, e4m3)
         assert (eight.tiles_per_split * 16 > 4096) == (config == FP8_ONE_WARP_LONG)
         assert (eight.tiles_per_split * 16 <= 2048) == (config == FP8_ONE_WARP_FEW)
+    for (b, t), page in itertools.product(long_tiles, (0, 1, 16, 64)):  # head dim 256: eight programs, 16-key tiles
+        plan = one_warp_plan(b, 8, t, 132, page_size=page, head_dim=256)
+        assert plan[:3] == decode_plan(b, 8, t, 256, torch.bfloat16, 132, None, FP8_ONE_WARP, e4m3)[:3], plan
+        assert plan.page_tiles == (page % 16 == 0 and page > 0), plan
     assert one_warp_plan(1, 8, 1 << 20, 132, splits=7)[:3] == (FP8_ONE_WARP_LONG, 7, 4682)
     assert one_warp_plan(1, 8, 131072, 132, splits=7)[:3] == (FP8_ONE_WARP_LONG, 7, 586)
     assert one_warp_plan(1, 8, 131072, 132, splits=200)[:3] == (FP8_ONE_WARP_FEW, 196, 21)

@@ -12,42 +12,47 @@ warp's chain of dependent steps: 0.57-0.62x of the bf16 time, where the bytes al
 (benchmarks/NOTES.md, rounds ten to eighteen). This kernel is the same computation written with explicit
 layouts (Gluon), one warp a program, with what Triton's ``tl.dot`` cannot express:
 
-* **Head-dim permutations instead of layout changes.** ``q . k`` sums over the head dim, so any
-  permutation of it applied to both ``q`` and ``k`` leaves the scores unchanged. With logical dim
-  ``kk = j0 + 2 t + 8 j1 + 16 s`` (``t`` the lane's place in its quad, ``s`` the ``mma`` step) read from
-  byte ``j0 + 2 j1 + 4 s + 32 t`` of a key, lane ``(g, t)`` of the ``m16n8k16`` operand layout owns bytes
-  ``32 t .. 32 t + 31`` of key ``g``: two 16-byte shared loads, each 32-bit word one step's operand pair
-  after two ``cvt`` (no byte shuffles). ``p @ v`` writes output column ``n = g + 8 i`` from value byte
-  ``16 g + i``, so lane ``(g, t)`` reads bytes ``16 g .. 16 g + 15`` of keys ``2t, 2t+1, 2t+8, 2t+9``
-  (16-byte loads; one ``PRMT`` per two value pairs interleaves two keys). The tiles are loaded in these
-  register layouts (``DistributedLinearLayout``) and reshaped into the operand layouts: the conversion is a
-  renaming of registers, no shared memory. The output is renamed back into value order the same way, then
-  goes through shared memory so that each row is stored by the whole warp in 16-byte pieces: stored from the
-  accumulator's layout, each lane wrote 4-byte pieces 64 bytes apart, and at B=1 T=128k the ~1M such stores
-  of 16-row states at the kernel's end cost 16% of the call (H200, e4m3, graph µs: 87.2 -> 73.3; 4 rows
-  70.5 -> 69.3; benchmarks/NOTES.md, twenty-second round).
+* **Head-dim permutations instead of layout changes.** ``q . k`` sums over the head dim, so any permutation of it
+  applied to both ``q`` and ``k`` leaves the scores unchanged. With logical dim ``kk = j0 + 2 t + 8 j1 + 16 s``
+  (``t`` the lane's place in its quad, ``s`` the ``mma`` step) read from byte ``j0 + 2 j1 + 4 s + D/4 t`` of a key
+  (head dim ``D`` = 128 or 256), lane ``(g, t)`` of the ``m16n8k16`` operand layout owns the ``D/4`` bytes of key
+  ``g`` from ``D/4 t``: two (four at 256) 16-byte shared loads, each 32-bit word one step's operand pair after two
+  ``cvt`` (no byte shuffles). ``p @ v`` writes output column ``n = g + 8 i`` from value byte ``D/8 g + i``, so
+  lane ``(g, t)`` reads the ``D/8`` bytes from ``D/8 g`` of keys ``2t, 2t+1, 2t+8, 2t+9`` (16-byte loads; one
+  ``PRMT`` per two value pairs interleaves two keys). The ring's 16-byte chunks are swizzled by the key (by pairs
+  of keys at 256, whose V reads take 32 bytes of a key a lane), so that both layouts read without bank conflicts.
+  The tiles are loaded in these register layouts (``DistributedLinearLayout``) and reshaped into the operand
+  layouts: the conversion is a renaming of registers, no shared memory. The output is renamed back into value
+  order the same way, then goes through shared memory so that each row is stored by the whole warp in 16-byte
+  pieces: stored from the accumulator's layout, each lane wrote 4-byte pieces 64 bytes apart, and at B=1 T=128k
+  the ~1M such stores of 16-row states at the kernel's end cost 16% of the call (H200, e4m3, graph µs: 87.2 ->
+  73.3; 4 rows 70.5 -> 69.3; benchmarks/NOTES.md, twenty-second round).
 * **``p`` stays in registers.** The scores' accumulator layout is the next ``mma``'s operand layout for
   16-bit ``p`` (as in FlashAttention-2), and with one warp a program every row reduction stays inside the
   warp (two shuffles), with no barrier in the loop beyond the ``cp.async`` ring's.
 * **Eight programs per SM** of one warp each, one wave (a ring of three K/V tiles in shared memory filled
   by ``cp.async``, 16 keys a tile, 32 for splits of more than 4096 positions; four programs per SM in 32-key
   tiles where eight would get splits of at most 2048: :func:`cp_attention.heuristics.one_warp_plan`);
-  168-227 registers, 12 or 24 KB; programs of two warps (17-32 rows) four per SM, 204 registers, 24 KB.
+  168-227 registers, 12 or 24 KB; programs of two warps (17-32 rows) four per SM, 204 registers, 24 KB. At head
+  dim 256 the 16-key tiles hold a 32-key tile's bytes: 255 registers (no spills; eight programs fill an SM's
+  registers), 24 KB; two warps 48 KB. There it took 0.53-0.55x of bf16's time where the Triton kernel took
+  0.6-0.63x (H200, e4m3, 16/8/256, graph µs: B=1 T=128k 138.2 against 149.6, B=16 T=32k 504.2 against 581.3,
+  B=64 T=8k 503.5 against 601.8; benchmarks/NOTES.md, twenty-fifth round).
 * **The running max moves lazily** (:func:`~cp_attention.ops._state.lazy_running_max`): only when a row's max
   rises by more than 2^8 (``LAZY_RESCALE``) is the state rescaled (a branch around 80 instructions); otherwise
   the weights are taken against the old max and stay below 2^8. The state is the same; only the reference of
   the sums differs.
 
-The loop executes 340 instructions per 16-key tile of a warp, 590 per 32-key tile (21 and 18 a key;
-Triton 3.6, sm_90; the Triton FP8 loop ~35). The state algebra is ``ops/_state.py``'s
+The loop executes 340 instructions per 16-key tile of a warp, 590 per 32-key tile (21 and 18 a key; Triton 3.6,
+sm_90; the Triton FP8 loop ~35; at head dim 256 ~640 per 16-key tile). The state algebra is ``ops/_state.py``'s
 (:func:`~cp_attention.ops._state.lazy_running_max`, :func:`~cp_attention.ops._state.finalize`; level 2 is
 ``split_kv._combine_kernel``); the numerics are those of the Triton kernel (Note [Attention states inside
-kernels]: fp16 query scaled by a power of two per row, fp16 products, ``o`` normalised by the sum of the
-weights rounded to fp16, the lse from the sum of the weights), with the additions in another order. Its
-arguments are ``_split_kv_kernel``'s, so the launch path is shared; it runs the part of that kernel's
-domain that the plan gives it (:func:`cp_attention.heuristics.one_warp_fp8`): an FP8 cache of head dim
-128, causal drafts, ``seq_lens``, scalar or per-head scales, exported or direct output, windows, softcaps,
-sinks and row limits (a context-parallel rank's rows); dense caches or page pools (one block-table entry
+kernels]: fp16 query scaled by a power of two per row, fp16 products, ``o`` normalised by the sum of the weights
+rounded to fp16, the lse from the sum of the weights), with the additions in another order. Its arguments are
+``_split_kv_kernel``'s, so the launch path is shared; it runs the part of that kernel's domain that the plan gives
+it (:func:`cp_attention.heuristics.one_warp_fp8`): an FP8 cache of head dim 128 or 256, causal drafts,
+``seq_lens``, scalar or per-head scales, exported or direct output, windows, softcaps, sinks and row limits (a
+context-parallel rank's rows); dense caches or page pools (one block-table entry
 read a tile ahead of its copy where a page holds whole tiles, else one a key). A warp holds 16 query rows
 (query rows x GQA group). 17-32 rows (:data:`~cp_attention.heuristics.ONE_WARP_MAX_ROWS`) run as two warps a
 program (``BLOCK_H`` 32) where the pages hold whole 32-key tiles: the ``mma`` layouts put a warp on each 16
@@ -77,7 +82,6 @@ from ._state import (LN2, add_sink, capped, finalize, first_position, fp16_query
 _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
-HEAD_DIM_1W = gl.constexpr(128)  # the one head dim of this kernel's permutations
 ROWS_1W = gl.constexpr(16)  # query rows per tile: one m16n8k16 row block
 # The running max moves (and the state is rescaled) only when a row's max rises by more than this many
 # powers of two; otherwise the weights are taken against the old max, at most 2^LAZY_RESCALE (fp16 holds them)
@@ -91,18 +95,32 @@ def _gdc(op: gl.constexpr):
 
 
 @constexpr_function
-def _tile_layout(block_n, values, warps):
-    """The register layout of a ``[block_n, 128]`` FP8 tile as read from shared memory: lane ``(g, t)``
-    holds bytes ``32 t .. 32 t + 31`` of key ``g`` (K), or bytes ``16 g .. 16 g + 15`` of keys ``2t, 2t+1,
+def _tile_layout(block_n, values, warps, d):
+    """The register layout of a ``[block_n, d]`` FP8 tile as read from shared memory: lane ``(g, t)`` holds
+    bytes ``d/4 t .. d/4 (t + 1) - 1`` of key ``g`` (K), or bytes ``d/8 g .. d/8 (g + 1) - 1`` of keys ``2t, 2t+1,
     2t+8, 2t+9`` (V, ``values``); keys 16 .. 31 of a 32-key tile take one more register bit. Every one of the
     ``warps`` holds the whole tile (the ``mma`` B operand of its own row block)."""
     more = [[16, 0]] if block_n == 32 else []
     warp_bases = [[0, 0]] * (warps.bit_length() - 1)
-    if values:
-        return gl.DistributedLinearLayout([[0, 1], [0, 2], [0, 4], [0, 8], [1, 0], [8, 0]] + more,
-                                          [[2, 0], [4, 0], [0, 16], [0, 32], [0, 64]], warp_bases, [], [block_n, 128])
-    return gl.DistributedLinearLayout([[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [8, 0]] + more,
-                                      [[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]], warp_bases, [], [block_n, 128])
+    if values:  # d/8 bytes, then keys +1 and +8; lanes: keys +2, +4 and bytes d/8, d/4, d/2
+        return gl.DistributedLinearLayout([[0, 1 << i] for i in range((d // 8).bit_length() - 1)] + [[1, 0], [8, 0]]
+                                          + more, [[2, 0], [4, 0], [0, d // 8], [0, d // 4], [0, d // 2]], warp_bases,
+                                          [], [block_n, d])
+    # d/4 bytes, then key +8; lanes: bytes d/4, d/2 and keys +1, +2, +4
+    return gl.DistributedLinearLayout([[0, 1 << i] for i in range((d // 4).bit_length() - 1)] + [[8, 0]] + more,
+                                      [[0, d // 4], [0, d // 2], [1, 0], [2, 0], [4, 0]], warp_bases, [], [block_n, d])
+
+
+@constexpr_function
+def _bits(n):
+    """``log2(n)`` (a power of two)."""
+    return n.bit_length() - 1
+
+
+@constexpr_function
+def _byte_bits(block_n, d):
+    """The shape ``[block_n, 2, 2, ...]`` of a ``[block_n, d]`` tile with its bytes as their bits."""
+    return [block_n] + [2] * _bits(d)
 
 
 @gluon.jit
@@ -145,18 +163,22 @@ def _issue_tile(s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt, stride_kp, strid
 
 @gluon.jit
 def _attend_tile(q, b_k, b_v, qk_scale, cap, m_i, l_i, r_i, acc, key0, row_lo, row_hi, o_key, MASKED: gl.constexpr,
-                 HAS_ROW_LO: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_N: gl.constexpr, W: gl.constexpr):
+                 HAS_ROW_LO: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_N: gl.constexpr, W: gl.constexpr,
+                 D: gl.constexpr):
     """Fold one K/V tile (FP8, as loaded in the permuted register layouts) into the running state ``(m_i,
     l_i, r_i, acc)`` (``l`` sums the weights, ``r`` the weights rounded to fp16: ``_state.take_weights``);
     ``MASKED``: keys ``key0 + o_key >= row_hi`` of a row are left out, and with ``HAS_ROW_LO`` those ``<
     row_lo``; ``SOFTCAP``: the scores capped (``_state.capped``)."""
-    D: gl.constexpr = HEAD_DIM_1W
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    # K [BLOCK_N, byte (t1 t0 s2 s1 s0 j1 j0)] -> [kk (s2 s1 s0 j1 t1 t0 j0), key]: the operand of q . k
-    k = gl.reshape(b_k.to(gl.float16), [BLOCK_N, 2, 2, 2, 2, 2, 2, 2])
-    k = gl.convert_layout(gl.reshape(gl.permute(k, (3, 4, 5, 6, 1, 2, 7, 0)), [D, BLOCK_N]), b_l)
+    # K [BLOCK_N, byte (t1 t0 s.. j1 j0)] -> [kk (s.. j1 t1 t0 j0), key]: the operand of q . k
+    k = gl.reshape(b_k.to(gl.float16), _byte_bits(BLOCK_N, D))
+    if D == 128:
+        k = gl.permute(k, (3, 4, 5, 6, 1, 2, 7, 0))
+    else:
+        k = gl.permute(k, (3, 4, 5, 6, 7, 1, 2, 8, 0))
+    k = gl.convert_layout(gl.reshape(k, [D, BLOCK_N]), b_l)
     s = capped(mma_v2(q, k, gl.zeros([ROWS_1W * W, BLOCK_N], gl.float32, layout=mma)) * qk_scale, cap, SOFTCAP)
     if MASKED:
         key = key0 + o_key[None, :]
@@ -166,9 +188,13 @@ def _attend_tile(q, b_k, b_v, qk_scale, cap, m_i, l_i, r_i, acc, key0, row_lo, r
         s = gl.where(seen, s, float("-inf"))
     m_i, m_ref, l_i, r_i, acc = lazy_running_max(m_i, gl.max(s, 1), l_i, r_i, acc, LAZY_RESCALE)
     p, l_i, r_i = take_weights(s, m_ref, l_i, r_i, gl.float16, 1)
-    # V [BLOCK_N, byte (g2 g1 g0 i3 i2 i1 i0)] -> [key, n (i3 i2 i1 i0 g2 g1 g0)]: the operand of p @ v
-    v = gl.reshape(b_v.to(gl.float16), [BLOCK_N, 2, 2, 2, 2, 2, 2, 2])
-    v = gl.convert_layout(gl.reshape(gl.permute(v, (0, 4, 5, 6, 7, 1, 2, 3)), [BLOCK_N, D]), b_l)
+    # V [BLOCK_N, byte (g2 g1 g0 i..)] -> [key, n (i.. g2 g1 g0)]: the operand of p @ v
+    v = gl.reshape(b_v.to(gl.float16), _byte_bits(BLOCK_N, D))
+    if D == 128:
+        v = gl.permute(v, (0, 4, 5, 6, 7, 1, 2, 3))
+    else:
+        v = gl.permute(v, (0, 4, 5, 6, 7, 8, 1, 2, 3))
+    v = gl.convert_layout(gl.reshape(v, [BLOCK_N, D]), b_l)
     acc = mma_v2(gl.convert_layout(p, a_l), v, acc)
     return m_i, l_i, r_i, acc
 
@@ -178,7 +204,7 @@ def _next_tile(q, qk_scale, cap, s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt,
                stride_btp, num_pages, page, t_start, t_end, it, row_lo, row_hi, o_key, m_i, l_i, r_i, acc,
                MASKED: gl.constexpr, HAS_ROW_LO: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_N: gl.constexpr,
                NUM_STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr, IS_PAGED: gl.constexpr, KEY_PAGES: gl.constexpr,
-               k_l: gl.constexpr, v_l: gl.constexpr, W: gl.constexpr):
+               k_l: gl.constexpr, v_l: gl.constexpr, W: gl.constexpr, D: gl.constexpr):
     """Tile ``it`` of the split: start the copy of tile ``it + NUM_STAGES - 1`` (in pool pages ``page`` of a
     paged cache) into the ring stage that tile ``it - 1`` held, read the block-table entries of the tile after
     it (returned: their latency hides behind this tile), wait for tile ``it``'s copy and fold it in
@@ -192,7 +218,7 @@ def _next_tile(q, qk_scale, cap, s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt,
     _barrier()
     m_i, l_i, r_i, acc = _attend_tile(q, s_k.index(it % NUM_STAGES).load(k_l), s_v.index(it % NUM_STAGES).load(v_l),
                                       qk_scale, cap, m_i, l_i, r_i, acc, t_start + it * BLOCK_N, row_lo, row_hi, o_key,
-                                      MASKED, HAS_ROW_LO, SOFTCAP, BLOCK_N, W)
+                                      MASKED, HAS_ROW_LO, SOFTCAP, BLOCK_N, W, D)
     return m_i, l_i, r_i, acc, page
 
 
@@ -217,7 +243,7 @@ def _split_kv_fp8_kernel(
     """Split-KV decode over an FP8 cache (dense or paged), one warp a program (Note [One-warp FP8 tiles]); arguments
     and outputs as ``split_kv._split_kv_kernel`` (Note [Split-KV decode]), plus ``NUM_STAGES`` K/V tiles in
     the ``cp.async`` ring."""
-    gl.static_assert(HEAD_DIM == HEAD_DIM_1W and BLOCK_D == HEAD_DIM_1W and BLOCK_H % ROWS_1W == 0)
+    gl.static_assert((HEAD_DIM == 128 or HEAD_DIM == 256) and BLOCK_D == HEAD_DIM and BLOCK_H % ROWS_1W == 0)
     W: gl.constexpr = BLOCK_H // ROWS_1W  # warps: 16 rows each, one ring
     gl.static_assert(gl.num_warps() == W)
     gl.static_assert((BLOCK_N == 16 or BLOCK_N == 32) and KV_SCALE != 0)
@@ -228,7 +254,7 @@ def _split_kv_fp8_kernel(
     HAS_ROW_LO: gl.constexpr = HAS_WINDOW or HAS_ROW_LIMITS  # rows with a first position
     if PDL:  # Note [Programmatic dependent launch]
         _gdc("wait")
-    D: gl.constexpr = HEAD_DIM_1W
+    D: gl.constexpr = HEAD_DIM
     M: gl.constexpr = BLOCK_H
     ROWS: gl.constexpr = Q_ROWS * GROUP_SIZE
     N_RT: gl.constexpr = (ROWS + M - 1) // M  # row tiles, one program each (Note [One-warp FP8 tiles])
@@ -237,12 +263,13 @@ def _split_kv_fp8_kernel(
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     row_l: gl.constexpr = gl.SliceLayout(1, mma)
     col_l: gl.constexpr = gl.SliceLayout(0, mma)
-    k_l: gl.constexpr = _tile_layout(BLOCK_N, False, W)
-    v_l: gl.constexpr = _tile_layout(BLOCK_N, True, W)
-    cp_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8], warps_per_cta=[W, 1],
-                                          order=[1, 0])
-    # 16-byte chunks swizzled by the key: both register layouts read without bank conflicts
-    sh_l: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8, order=[1, 0])
+    k_l: gl.constexpr = _tile_layout(BLOCK_N, False, W, D)
+    v_l: gl.constexpr = _tile_layout(BLOCK_N, True, W, D)
+    cp_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[512 // D, D // 16],
+                                          warps_per_cta=[W, 1], order=[1, 0])
+    # 16-byte chunks swizzled by the key (by pairs of keys at head dim 256, whose V reads take 32 bytes of a key
+    # a lane): both register layouts read without bank conflicts
+    sh_l: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=D // 128, max_phase=8, order=[1, 0])
 
     i_p = gl.program_id(0)
     i_s = gl.program_id(1)
@@ -289,7 +316,7 @@ def _split_kv_fp8_kernel(
     # (Triton 3.6, sm_90: 14 of the 17 specs' SASS changed, 168 -> 180 registers for GQA 4 split), not measured
     o_qr = i_rt * M + gl.arange(0, M, layout=gl.SliceLayout(1, a_l))
     o_qk = gl.arange(0, D, layout=gl.SliceLayout(0, a_l))
-    q_byte = (o_qk & 1) + 2 * ((o_qk >> 3) & 1) + 4 * (o_qk >> 4) + 32 * ((o_qk >> 1) & 3)
+    q_byte = (o_qk & 1) + 2 * ((o_qk >> 3) & 1) + 4 * (o_qk >> 4) + D // 4 * ((o_qk >> 1) & 3)
     q_tok = (o_qr // GROUP_SIZE).to(gl.int64)
     q_head = i_h64 * GROUP_SIZE + o_qr % GROUP_SIZE
     q = gl.load(Q + i_b64 * stride_qb + (q_tok * stride_qq + q_head * stride_qh)[:, None] + q_byte[None, :],
@@ -339,17 +366,19 @@ def _split_kv_fp8_kernel(
                                                   stride_kb, stride_vb, p_bt, stride_btp, NUM_PAGES, page, t_start,
                                                   t_end, it, row_lo, row_hi, o_key, m_i, l_i, r_i, acc, True,
                                                   HAS_ROW_LO, SOFTCAP, BLOCK_N, NUM_STAGES, PAGE_SIZE, IS_PAGED,
-                                                  KEY_PAGES, k_l, v_l, W)
+                                                  KEY_PAGES, k_l, v_l, W, D)
     for it in range(n_lo, n_full):
         m_i, l_i, r_i, acc, page = _next_tile(q, qk_scale, cap, s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt,
                                               stride_kb, stride_vb, p_bt, stride_btp, NUM_PAGES, page, t_start, t_end,
                                               it, row_lo, row_hi, o_key, m_i, l_i, r_i, acc, False, HAS_ROW_LO,
-                                              SOFTCAP, BLOCK_N, NUM_STAGES, PAGE_SIZE, IS_PAGED, KEY_PAGES, k_l, v_l, W)
+                                              SOFTCAP, BLOCK_N, NUM_STAGES, PAGE_SIZE, IS_PAGED, KEY_PAGES, k_l, v_l, W,
+                                              D)
     for it in range(n_full, n_tiles):  # the tiles that reach a row's last key
         m_i, l_i, r_i, acc, page = _next_tile(q, qk_scale, cap, s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt,
                                               stride_kb, stride_vb, p_bt, stride_btp, NUM_PAGES, page, t_start, t_end,
                                               it, row_lo, row_hi, o_key, m_i, l_i, r_i, acc, True, HAS_ROW_LO,
-                                              SOFTCAP, BLOCK_N, NUM_STAGES, PAGE_SIZE, IS_PAGED, KEY_PAGES, k_l, v_l, W)
+                                              SOFTCAP, BLOCK_N, NUM_STAGES, PAGE_SIZE, IS_PAGED, KEY_PAGES, k_l, v_l, W,
+                                              D)
     async_copy.wait_group(0)
     if PDL:  # the K/V reads are done
         _gdc("launch_dependents")
@@ -360,10 +389,10 @@ def _split_kv_fp8_kernel(
     o = o * vs
     if not EXPORT and HAS_SINKS:
         o, lse = add_sink(o, lse, gl.load(SINKS + o_head * stride_sink, mask=m_row, other=0.0))
-    # Output column n holds value dim 16 (n % 8) + n // 8: renamed into value order, then each row stored by the
+    # Output column n holds value dim D/8 (n % 8) + n // 8: renamed into value order, then each row stored by the
     # whole warp in 16-byte pieces (through shared memory); from the accumulator's layout every lane would
-    # write 4-byte pieces 64 bytes apart
-    o = gl.reshape(gl.permute(gl.reshape(o, [M, 16, 8]), (0, 2, 1)), [M, D])
+    # write 4-byte pieces D/2 bytes apart
+    o = gl.reshape(gl.permute(gl.reshape(o, [M, D // 8, 8]), (0, 2, 1)), [M, D])
     st_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[1, 32], warps_per_cta=[W, 1],
                                           order=[1, 0])
     o = gl.convert_layout(o, st_l)
@@ -400,7 +429,9 @@ def _aot_spec(group, q_rows, export, config="FP8_ONE_WARP", **kw):
 # directly (GQA 8); four causal rows of GQA 4 in a window with a softcap on pages of 16 (per-head scales); row limits
 # on 32 rows (two row tiles) on pages of 1 (e4m3); in two warps of 16 rows: row limits on 32 rows on pages of 64
 # (e5m2, per-head scales), four causal rows of GQA 8 with a softcap and sinks written directly, five causal rows of
-# GQA 4 split (e4m3) and four of GQA 8 in a window on pages of 32 (e5m2, per-head scales)
+# GQA 4 split (e4m3) and four of GQA 8 in a window on pages of 32 (e5m2, per-head scales); head dim 256: GQA 2 split
+# (e4m3), four causal rows of GQA 2 on pages of 16 (e5m2, per-head scales), a window with sinks written directly
+# (GQA 8), and in two warps five causal rows of GQA 4 split on pages of 64 (e4m3)
 AOT_SPECS = [_aot_spec(4, 1, True, kv="fp8e4nv", kv_scale=1),
              _aot_spec(4, 1, True, kv="fp8e4nv", kv_scale=1, page_size=16, page_tiles=True),
              _aot_spec(4, 1, True, kv="fp8e4nv", kv_scale=1, page_size=1),
@@ -422,4 +453,9 @@ AOT_SPECS = [_aot_spec(4, 1, True, kv="fp8e4nv", kv_scale=1),
                        config="FP8_ROWS_32"),
              _aot_spec(4, 5, True, causal=True, kv="fp8e4nv", kv_scale=1, config="FP8_ROWS_32"),
              _aot_spec(8, 4, True, causal=True, kv="fp8e5", kv_scale=2, window=True, config="FP8_ROWS_32", page_size=32,
-                       page_tiles=True)]
+                       page_tiles=True),
+             _aot_spec(2, 1, True, kv="fp8e4nv", kv_scale=1, head_dim=256),
+             _aot_spec(2, 4, True, causal=True, kv="fp8e5", kv_scale=2, page_size=16, page_tiles=True, head_dim=256),
+             _aot_spec(8, 1, False, kv="fp8e4nv", kv_scale=1, window=True, sinks=True, head_dim=256),
+             _aot_spec(4, 5, True, causal=True, kv="fp8e4nv", kv_scale=1, config="FP8_ROWS_32", page_size=64,
+                       page_tiles=True, head_dim=256)]
