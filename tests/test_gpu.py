@@ -703,6 +703,9 @@ ONE_WARP_VARIANTS = [
     ("20-rows-pages16", torch.float8_e4m3fn, "NHD", 5, 16, 4, None, 16, None, None, False, False),
     ("32-rows-window-sinks-pages64", torch.float8_e5m2, "HND", 4, 32, 4, 2, 64, 800, None, True, False),
     ("20-rows-softcap-sinks-direct", torch.float8_e4m3fn, "HND", 5, 16, 4, 1, 0, None, 30.0, True, False),
+    # head dim 256 (the Triton kernel's WIDE_FP8 on the dense cache as the second reference)
+    ("d256-row-limits", torch.float8_e4m3fn, "HND", 4, 16, 8, None, 0, None, None, False, True),
+    ("d256-window-softcap-sinks-pages16", torch.float8_e5m2, "NHD", 2, 32, 8, 3, 16, 900, 30.0, True, False),
 ]
 
 
@@ -719,7 +722,7 @@ def test_one_warp_fp8_variants_against_the_dequantised_oracle(monkeypatch, name,
     from cp_attention.ops import _launch
 
     torch.manual_seed(hash(name) % 1000)
-    b, t, d = 4, -(-5003 // max(page, 1)) * max(page, 1), 128
+    b, t, d = 4, -(-5003 // max(page, 1)) * max(page, 1), 256 if name.startswith("d256") else 128
     q = torch.randn(b, q_rows, hq, d, device="cuda", dtype=torch.bfloat16) * 2
     k8, v8, ks, vs = quantize_kv(torch.randn(b, hkv, t, d, device="cuda"), torch.randn(b, hkv, t, d, device="cuda"),
                                  dtype8, per_head=True)
@@ -757,8 +760,13 @@ def test_one_warp_fp8_variants_against_the_dequantised_oracle(monkeypatch, name,
     seen = torch.isfinite(ref.lse)
     assert seen.any()
     torch.testing.assert_close(got.lse.double()[seen], ref.lse[seen], atol=5e-5, rtol=0)
-    two = decode_plan(b, hkv, t, d, q.dtype, num_sms(q.device), splits, config=FP8_TWO_WARPS)._replace(streams=1)
-    other = flash_decode(q, kc, vc, sl, kv_layout=layout, k_scale=ks, v_scale=vs, return_lse=True, plan=two, **kw)
+    if d == 128:
+        two = decode_plan(b, hkv, t, d, q.dtype, num_sms(q.device), splits, config=FP8_TWO_WARPS)._replace(streams=1)
+        other = flash_decode(q, kc, vc, sl, kv_layout=layout, k_scale=ks, v_scale=vs, return_lse=True, plan=two, **kw)
+    else:
+        wide = decode_plan(b, hkv, t, d, q.dtype, num_sms(q.device), splits, config=WIDE_FP8)
+        kw.pop("block_table", None)
+        other = flash_decode(q, k8, v8, sl, k_scale=ks, v_scale=vs, return_lse=True, plan=wide, **kw)
     assert "_split_kv_kernel" in kernels, kernels
     torch.testing.assert_close(got.o, other.o, atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(got.lse, other.lse, atol=1e-4, rtol=1e-5)
