@@ -24,8 +24,8 @@ import torch
 
 __all__ = ["num_splits", "num_sms", "use_pdl", "one_warp_fp8", "one_warp_plan", "DecodeConfig", "DecodePlan",
            "FOUR_PER_SM", "FP8_TWO_WARPS", "FP8_ONE_WARP", "FP8_ONE_WARP_LONG", "FP8_ONE_WARP_FEW", "FP8_ROWS_32",
-           "ONE_WARP_CONFIGS", "ONE_WARP_MAX_ROWS", "ONE_WARP_KEYS_PER_ROW", "FP8_TABLE_LOOP", "WIDE_HEADS",
-           "WIDE_PAGES", "WIDE_FP8", "WIDE_FP8_TABLE_LOOP",
+           "ONE_WARP_CONFIGS", "ONE_WARP_MAX_ROWS", "ONE_WARP_MAX_ROWS_256", "ONE_WARP_KEYS_PER_ROW", "FP8_TABLE_LOOP",
+           "WIDE_HEADS", "WIDE_PAGES", "WIDE_FP8", "WIDE_FP8_TABLE_LOOP",
            "decode_config", "decode_plan", "deterministic_plan", "PrefixConfig", "PrefixPlan", "prefix_config",
            "prefix_plan", "REFERENCE_SMS"]
 
@@ -96,6 +96,7 @@ def one_warp_fp8(device: torch.device, kv_dtype: torch.dtype, head_dim: int, row
     """Whether a decode runs the one-warp FP8 kernel (``ops/split_kv_fp8.py``, Note [One-warp FP8 tiles]),
     planned with :func:`one_warp_plan`: an FP8 cache of head dim 128 or 256 and more than 512 positions, dense or in
     pages of any size (``page_size``; 0: dense), at most :data:`ONE_WARP_MAX_ROWS` query rows per KV head
+    (:data:`ONE_WARP_MAX_ROWS_256` at head dim 256)
     (query rows x GQA group: a warp for each 16, :func:`one_warp_plan`), on a CUDA device of compute capability
     9.x (the sm_90 kernel it was written and measured for; a Gluon kernel has no interpreter path), unless the
     environment sets ``CP_ATTENTION_ONE_WARP=0`` (read once per device). ``plain``: no deterministic splits and
@@ -105,8 +106,9 @@ def one_warp_fp8(device: torch.device, kv_dtype: torch.dtype, head_dim: int, row
     >>> one_warp_fp8(torch.device("cpu"), torch.float8_e4m3fn, 128, 4, 131072, True)
     False
     """
+    max_rows = ONE_WARP_MAX_ROWS if head_dim == 128 else ONE_WARP_MAX_ROWS_256
     if not (plain and device.type == "cuda" and kv_dtype.itemsize == 1 and head_dim in (128, 256)
-            and rows <= ONE_WARP_MAX_ROWS and t_max > 512) or os.environ.get("TRITON_INTERPRET") == "1":
+            and rows <= max_rows and t_max > 512) or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     use = _SM90.get(device)
     if use is None:
@@ -296,6 +298,9 @@ ONE_WARP_CONFIGS = (FP8_ONE_WARP, FP8_ONE_WARP_LONG, FP8_ONE_WARP_FEW, FP8_ROWS_
 # kernel's 125.8-126.3 / 127.5-128.0 and 476-478 / 491-495; four row tiles of one warp 1.23-1.49x the bf16
 # time (benchmarks/NOTES.md, twenty-second and twenty-third rounds)
 ONE_WARP_MAX_ROWS = 32
+# ... at head dim 256: one warp (the two-warp programs spill 496 bytes of registers there, Triton 3.6, sm_90; not
+# measured); more rows stay on the Triton kernel (WIDE_FP8)
+ONE_WARP_MAX_ROWS_256 = 16
 # Each split of the one-warp kernel writes a state of 516 bytes a query row that the combine reads back; where
 # its plan's splits hold fewer than this many keys a row, the states rival the splits' K/V (256 bytes a key in
 # FP8) and the Triton kernel, whose wider programs take fewer splits, is faster: H200, e4m3, 32/8/128, windows
@@ -339,8 +344,9 @@ def decode_config(head_dim: int, dtype: torch.dtype, t_max: int | None = None, p
     An FP8 cache of more than 512 positions, head dim 65-128, read by query tiles of at most 32 rows
     (``rows``: query rows per KV head, Q x GQA) takes :data:`FP8_TWO_WARPS`, dense or paged (through the
     register table, ``table``, or one table entry per key). (On sm_90, ``flash_decode`` gives the caches,
-    dense or paged, of head dim 128 and at most :data:`ONE_WARP_MAX_ROWS` rows to the one-warp kernel instead,
-    unless the splits are deterministic or the plan is given: :func:`one_warp_fp8`, :func:`one_warp_plan`.) The FP8 loop is bound by the latency of each
+    dense or paged, of head dim 128 and at most :data:`ONE_WARP_MAX_ROWS` rows (256: at most
+    :data:`ONE_WARP_MAX_ROWS_256`) to the one-warp kernel instead, unless the splits are deterministic or the
+    plan is given: :func:`one_warp_fp8`, :func:`one_warp_plan`.) The FP8 loop is bound by the latency of each
     tile's chain (the conversions' shared-memory round trips, cross-warp reductions), not by bytes or
     issue: two warps a program halve the cross-warp work and four programs per SM overlap the chains.
     H200, graph µs, e4m3, dense: B=1 T=128k 77.3 against 86.4 with 128 x 4 x 3, B=64 T=8k 301.5 against

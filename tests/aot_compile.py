@@ -40,13 +40,15 @@ def compile_spec(spec):
 
 
 def resource_usage(cubin: bytes) -> dict:
-    """Registers per thread and local (spill) bytes of the kernel in ``cubin``, from ``cuobjdump``."""
+    """Registers per thread, local bytes and stack bytes (where ptxas puts register spills) of the kernel in
+    ``cubin``, from ``cuobjdump``."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
         out = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
                              capture_output=True, text=True, check=True).stdout
-    return {"regs": int(re.search(r"REG:(\d+)", out).group(1)), "local": int(re.search(r"LOCAL:(\d+)", out).group(1))}
+    return {"regs": int(re.search(r"REG:(\d+)", out).group(1)), "local": int(re.search(r"LOCAL:(\d+)", out).group(1)),
+            "stack": int(re.search(r"STACK:(\d+)", out).group(1))}
 
 
 def main():

@@ -71,7 +71,9 @@ def test_split_plans_count_no_more_programs_per_sm_than_fit(report):
     config's ``programs``, else the estimate from its K/V stages). Counting more than the compiled kernel's
     registers or shared memory let in leaves programs over for a second wave (the FP8 tiles of head dim
     256 once counted three where their 255 registers fit two: 215 µs against 167, benchmarks/NOTES.md,
-    fourteenth round); and a config that names its programs must not spill."""
+    fourteenth round); and a config that names its programs spills little: no local arrays and at most 512
+    bytes of stack, where ptxas puts spilled registers (Triton 3.9: at most 344, the FP8 two-warp tiles in four
+    key streams; Triton 3.6 at most 184)."""
     dtypes = {"*bf16": torch.bfloat16, "*fp16": torch.float16, "*fp8e4nv": torch.float8_e4m3fn,
               "*fp8e5": torch.float8_e5m2}
     named = 0
@@ -86,7 +88,7 @@ def test_split_plans_count_no_more_programs_per_sm_than_fit(report):
         assert planned * (s["shared"] + 1024) <= 233472, (s["id"], planned, s["shared"])  # 228 KB, 1 KB a block
         if s["programs"]:
             named += 1
-            assert s["local"] == 0, s["id"]
+            assert s["local"] == 0 and s["stack"] <= 512, (s["id"], s["stack"])
     assert named >= 8
 
 
@@ -172,12 +174,14 @@ def test_one_warp_fp8_tiles_reach_the_tensor_cores_without_a_layout_change(repor
     by 16-byte loads straight into the ``mma`` operands: no other shared store, no narrower shared load (a
     layout change through shared memory would add both), no cross-warp barrier beyond the ring's; PDL's wait
     comes first and the release after the loop; after it, the output goes through shared memory in 16-byte
-    pieces and out in 16-byte stores; eight warps fit an SM without spills. Programs of several warps (16 rows
-    each) exchange single words across warps (the lazy max's any-row test, the rows' reach) and nothing else."""
+    pieces and out in 16-byte stores; eight warps fit an SM, spilling at most 16 bytes at head dim 128 and 256 at
+    256 (Triton 3.9: 0-16 and 136-160; 3.6: none and 72-104). Programs of several warps (16 rows each) exchange
+    single words across warps (the lazy max's any-row test, the rows' reach) and nothing else."""
     specs = [s for s in report["specs"] if s["kernel"] == "_split_kv_fp8_kernel"]
     assert len(specs) >= 4 and any(s["num_warps"] == 2 for s in specs)
     for s in specs:
-        assert s["local"] == 0 and s["num_warps"] * s["programs"] == 8, s["id"]
+        spill = 16 if s["constexprs"]["HEAD_DIM"] == 128 else 256
+        assert s["local"] == 0 and s["stack"] <= spill and s["num_warps"] * s["programs"] == 8, (s["id"], s["stack"])
         assert s["ptx"].index("griddepcontrol.wait") < s["ptx"].index("griddepcontrol.launch_dependents"), s["id"]
         ptx, out = s["ptx"].split("griddepcontrol.launch_dependents")
         assert "cp.async.cg.shared.global" in ptx and "mma.sync.aligned.m16n8k16" in ptx, s["id"]

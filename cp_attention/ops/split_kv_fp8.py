@@ -34,10 +34,11 @@ layouts (Gluon), one warp a program, with what Triton's ``tl.dot`` cannot expres
   by ``cp.async``, 16 keys a tile, 32 for splits of more than 4096 positions; four programs per SM in 32-key
   tiles where eight would get splits of at most 2048: :func:`cp_attention.heuristics.one_warp_plan`);
   168-227 registers, 12 or 24 KB; programs of two warps (17-32 rows) four per SM, 204 registers, 24 KB. At head
-  dim 256 the 16-key tiles hold a 32-key tile's bytes: 255 registers (no spills; eight programs fill an SM's
-  registers), 24 KB; two warps 48 KB. There it took 0.53-0.55x of bf16's time where the Triton kernel took
-  0.6-0.63x (H200, e4m3, 16/8/256, graph µs: B=1 T=128k 138.2 against 149.6, B=16 T=32k 504.2 against 581.3,
-  B=64 T=8k 503.5 against 601.8; benchmarks/NOTES.md, twenty-fifth round).
+  dim 256 the 16-key tiles hold a 32-key tile's bytes: 255 registers (eight programs fill an SM's registers) and
+  72-104 bytes of spills (Triton 3.6: a few copy addresses, reloaded from L1 eight or nine times a tile), 24 KB;
+  at most 16 rows (two warps would spill 496 bytes). There it took 0.53-0.55x of bf16's time where the Triton
+  kernel took 0.6-0.63x (H200, e4m3, 16/8/256, graph µs: B=1 T=128k 138.2 against 149.6, B=16 T=32k 504.2
+  against 581.3, B=64 T=8k 503.5 against 601.8; benchmarks/NOTES.md, twenty-fifth round).
 * **The running max moves lazily** (:func:`~cp_attention.ops._state.lazy_running_max`): only when a row's max
   rises by more than 2^8 (``LAZY_RESCALE``) is the state rescaled (a branch around 80 instructions); otherwise
   the weights are taken against the old max and stay below 2^8. The state is the same; only the reference of
@@ -431,7 +432,7 @@ def _aot_spec(group, q_rows, export, config="FP8_ONE_WARP", **kw):
 # (e5m2, per-head scales), four causal rows of GQA 8 with a softcap and sinks written directly, five causal rows of
 # GQA 4 split (e4m3) and four of GQA 8 in a window on pages of 32 (e5m2, per-head scales); head dim 256: GQA 2 split
 # (e4m3), four causal rows of GQA 2 on pages of 16 (e5m2, per-head scales), a window with sinks written directly
-# (GQA 8), and in two warps five causal rows of GQA 4 split on pages of 64 (e4m3)
+# (GQA 8)
 AOT_SPECS = [_aot_spec(4, 1, True, kv="fp8e4nv", kv_scale=1),
              _aot_spec(4, 1, True, kv="fp8e4nv", kv_scale=1, page_size=16, page_tiles=True),
              _aot_spec(4, 1, True, kv="fp8e4nv", kv_scale=1, page_size=1),
@@ -456,6 +457,4 @@ AOT_SPECS = [_aot_spec(4, 1, True, kv="fp8e4nv", kv_scale=1),
                        page_tiles=True),
              _aot_spec(2, 1, True, kv="fp8e4nv", kv_scale=1, head_dim=256),
              _aot_spec(2, 4, True, causal=True, kv="fp8e5", kv_scale=2, page_size=16, page_tiles=True, head_dim=256),
-             _aot_spec(8, 1, False, kv="fp8e4nv", kv_scale=1, window=True, sinks=True, head_dim=256),
-             _aot_spec(4, 5, True, causal=True, kv="fp8e4nv", kv_scale=1, config="FP8_ROWS_32", page_size=64,
-                       page_tiles=True, head_dim=256)]
+             _aot_spec(8, 1, False, kv="fp8e4nv", kv_scale=1, window=True, sinks=True, head_dim=256)]
