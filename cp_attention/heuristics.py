@@ -24,7 +24,8 @@ import torch
 
 __all__ = ["num_splits", "num_sms", "use_pdl", "one_warp_fp8", "one_warp_plan", "DecodeConfig", "DecodePlan",
            "FOUR_PER_SM", "FP8_TWO_WARPS", "FP8_ONE_WARP", "FP8_ONE_WARP_LONG", "FP8_ONE_WARP_FEW", "FP8_ROWS_32",
-           "ONE_WARP_CONFIGS", "ONE_WARP_MAX_ROWS", "ONE_WARP_MAX_ROWS_256", "ONE_WARP_KEYS_PER_ROW", "FP8_TABLE_LOOP",
+           "ONE_WARP_CONFIGS", "ONE_WARP_MAX_ROWS", "ONE_WARP_MAX_ROWS_256", "ONE_WARP_PLAN_ROWS_256",
+           "ONE_WARP_KEYS_PER_ROW", "FP8_TABLE_LOOP",
            "WIDE_HEADS", "WIDE_PAGES", "WIDE_FP8", "WIDE_FP8_TABLE_LOOP",
            "decode_config", "decode_plan", "deterministic_plan", "PrefixConfig", "PrefixPlan", "prefix_config",
            "prefix_plan", "REFERENCE_SMS"]
@@ -138,6 +139,7 @@ def one_warp_plan(batch: int, num_kv_heads: int, t_max: int, num_sms: int, split
     16/8/256, graph µs, against four programs per SM in 16- or 32-key tiles: B=1 T=128k 138.2-138.4 / 155.1-156.2
     / 140.5-140.8, B=16 T=32k 504.2-508.0 / 611.6-645.6 / 538.4-567.2, B=64 T=8k 503.5-508.4 / 624.3-657.8 /
     554.5-613.6, B=4 T=32k 140.4-143.7 / 158.2-162.2 / 142.0-146.6 (benchmarks/NOTES.md, twenty-fifth round).
+    There it plans at most :data:`ONE_WARP_PLAN_ROWS_256` rows (``None`` above: the Triton kernel's plan).
 
     >>> [one_warp_plan(1, 8, t, 132)[:3] for t in (131072, 1 << 20)]  # doctest: +NORMALIZE_WHITESPACE
     [(DecodeConfig(block_n=32, num_warps=1, num_stages=3, programs=4, maxnreg=0, warp_rows=16), 66, 63),
@@ -159,6 +161,8 @@ def one_warp_plan(batch: int, num_kv_heads: int, t_max: int, num_sms: int, split
         plan = plan._replace(page_tiles=page_size > 0)
     else:
         plan = _row_tile_plan(batch, num_kv_heads, t_max, num_sms, splits, page_size, rows, head_dim)
+    if head_dim > 128 and rows > ONE_WARP_PLAN_ROWS_256:
+        return None
     return plan if plan.tiles_per_split * plan.config.block_n >= ONE_WARP_KEYS_PER_ROW * rows else None
 
 
@@ -301,6 +305,11 @@ ONE_WARP_MAX_ROWS = 32
 # ... at head dim 256: one warp (the two-warp programs spill 496 bytes of registers there, Triton 3.6, sm_90; not
 # measured); more rows stay on the Triton kernel (WIDE_FP8)
 ONE_WARP_MAX_ROWS_256 = 16
+# ... and the most it is planned for (more rows run there only with a given plan): H200, e4m3, 16/8/256, graph µs,
+# the one-warp kernel against the Triton kernel's policy: 2 rows (GQA 2) at B=1 T=128k 138.1 against 158.0-161.6
+# (softcap + sinks); causal drafts of 8 rows 166.1-166.6 against 158.1-158.6, 16 rows 181.3-182.0 against
+# 159.8-160.4; 8 rows at B=16 T=32k 603.0-633.0 against 616.8-644.7 (benchmarks/NOTES.md, twenty-fifth round)
+ONE_WARP_PLAN_ROWS_256 = 2
 # Each split of the one-warp kernel writes a state of 516 bytes a query row that the combine reads back; where
 # its plan's splits hold fewer than this many keys a row, the states rival the splits' K/V (256 bytes a key in
 # FP8) and the Triton kernel, whose wider programs take fewer splits, is faster: H200, e4m3, 32/8/128, windows

@@ -15,8 +15,8 @@ from cp_attention import AttentionState, CascadeLevel, cascade_decode, flash_dec
 from cp_attention.distributed import CPKVCache, cp_flash_decode, merge_across_ranks, set_exchange, shard_kv
 from cp_attention.exchange import exchange_for
 from cp_attention.heuristics import (FP8_ONE_WARP, FP8_ONE_WARP_FEW, FP8_ONE_WARP_LONG, FP8_TABLE_LOOP, FP8_TWO_WARPS,
-                                      WIDE_FP8, WIDE_FP8_TABLE_LOOP, WIDE_HEADS, WIDE_PAGES, decode_plan, num_sms, one_warp_fp8, one_warp_plan,
-                                      table_pages)
+                                      ONE_WARP_PLAN_ROWS_256, WIDE_FP8, WIDE_FP8_TABLE_LOOP, WIDE_HEADS, WIDE_PAGES,
+                                      decode_plan, num_sms, one_warp_fp8, one_warp_plan, table_pages)
 from cp_attention.ops import symm_merge
 from cp_attention.reference import attention
 
@@ -636,6 +636,14 @@ def test_one_warp_fp8_head_dim_256_against_the_dequantised_oracle(dtype8, per_he
     _check_one_warp(dtype8, per_head, layout, q_rows, hq, hkv, splits, page, 256)
 
 
+def one_warp_given_plan(b, hkv, t, d, splits, page):
+    """The one-warp kernel's 16-key tiles as a given plan (``splits`` None: one wave of eight programs an SM), an
+    entry a tile on pages of whole tiles: the calls its policy leaves to the Triton kernel (more than
+    ONE_WARP_PLAN_ROWS_256 rows at head dim 256) still run it so."""
+    plan = decode_plan(b, hkv, t, d, torch.bfloat16, num_sms(torch.device("cuda")), splits, config=FP8_ONE_WARP)
+    return plan._replace(page_tiles=page > 0 and page % FP8_ONE_WARP.block_n == 0)
+
+
 def _check_one_warp(dtype8, per_head, layout, q_rows, hq, hkv, splits, page, d):
     from cp_attention import quantize_kv
 
@@ -667,6 +675,8 @@ def _check_one_warp(dtype8, per_head, layout, q_rows, hq, hkv, splits, page, d):
         splits = 2
         plan = decode_plan(b, hkv, t, d, q.dtype, num_sms(q.device), splits, config=FP8_ONE_WARP_LONG)
         kw["plan"] = plan._replace(page_tiles=page > 0)
+    elif q_rows * hq // hkv > (16 if d == 128 else ONE_WARP_PLAN_ROWS_256):  # more rows than the policy plans here
+        kw["plan"] = one_warp_given_plan(b, hkv, t, d, splits, page)
     else:
         kw["num_splits"] = splits
     got = flash_decode(q, kc, vc, sl, kv_layout=layout, k_scale=scales[0], v_scale=scales[1], out=out,
@@ -753,8 +763,13 @@ def test_one_warp_fp8_variants_against_the_dequantised_oracle(monkeypatch, name,
     monkeypatch.setattr(decode, "_PREPARED", {})
     monkeypatch.setattr(decode, "_LAST", (None, None))
     out = (torch.full_like(q, float("nan")), torch.full(q.shape[:-1], float("nan"), device="cuda"))
-    got = flash_decode(q, kc, vc, sl, kv_layout=layout, k_scale=ks, v_scale=vs, num_splits=splits, out=out,
-                       return_lse=True, **kw)
+    if d == 128:
+        kw["num_splits"] = splits
+    else:  # more rows than the policy plans at head dim 256: the one-warp kernel by a given plan
+        kw["plan"] = one_warp_given_plan(b, hkv, t, d, splits, page)
+    got = flash_decode(q, kc, vc, sl, kv_layout=layout, k_scale=ks, v_scale=vs, out=out, return_lse=True, **kw)
+    kw.pop("num_splits", None)
+    kw.pop("plan", None)
     assert kernels[0] == "_split_kv_fp8_kernel", kernels
     assert_state_matches(got, ref, torch.bfloat16)
     seen = torch.isfinite(ref.lse)

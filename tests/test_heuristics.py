@@ -242,9 +242,10 @@ def test_one_warp_fp8_domain_and_plan(monkeypatch):
         assert (eight.tiles_per_split * 16 > 4096) == (config == FP8_ONE_WARP_LONG)
         assert (eight.tiles_per_split * 16 <= 2048) == (config == FP8_ONE_WARP_FEW)
     for (b, t), page in itertools.product(long_tiles, (0, 1, 16, 64)):  # head dim 256: eight programs, 16-key tiles
-        plan = one_warp_plan(b, 8, t, 132, page_size=page, head_dim=256)
+        plan = one_warp_plan(b, 8, t, 132, page_size=page, rows=2, head_dim=256)
         assert plan[:3] == decode_plan(b, 8, t, 256, torch.bfloat16, 132, None, FP8_ONE_WARP, e4m3)[:3], plan
         assert plan.page_tiles == (page % 16 == 0 and page > 0), plan
+        assert one_warp_plan(b, 8, t, 132, page_size=page, rows=3, head_dim=256) is None  # the Triton kernel's
     assert one_warp_plan(1, 8, 1 << 20, 132, splits=7)[:3] == (FP8_ONE_WARP_LONG, 7, 4682)
     assert one_warp_plan(1, 8, 131072, 132, splits=7)[:3] == (FP8_ONE_WARP_LONG, 7, 586)
     assert one_warp_plan(1, 8, 131072, 132, splits=200)[:3] == (FP8_ONE_WARP_FEW, 196, 21)
