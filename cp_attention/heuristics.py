@@ -156,13 +156,13 @@ def one_warp_plan(batch: int, num_kv_heads: int, t_max: int, num_sms: int, split
     >>> one_warp_plan(1, 8, 4131, 132, rows=16) is None  # 65 splits of 64 keys: 4 keys a row
     True
     """
+    if head_dim > 128 and rows > ONE_WARP_PLAN_ROWS_256:
+        return None
     if rows > 16 and page_size % FP8_ROWS_32.block_n == 0:  # a warp for each 16 rows, a program a split
         plan = _fp8_splits(batch, num_kv_heads, t_max, num_sms, splits, FP8_ROWS_32, head_dim)
         plan = plan._replace(page_tiles=page_size > 0)
     else:
         plan = _row_tile_plan(batch, num_kv_heads, t_max, num_sms, splits, page_size, rows, head_dim)
-    if head_dim > 128 and rows > ONE_WARP_PLAN_ROWS_256:
-        return None
     return plan if plan.tiles_per_split * plan.config.block_n >= ONE_WARP_KEYS_PER_ROW * rows else None
 
 
@@ -179,11 +179,10 @@ def _row_tile_plan(batch: int, num_kv_heads: int, t_max: int, num_sms: int, spli
     heads = num_kv_heads * row_tiles
     plan = _fp8_splits(batch, heads, t_max, num_sms, splits, FP8_ONE_WARP, head_dim)
     keys = plan.tiles_per_split * FP8_ONE_WARP.block_n
-    if head_dim > 128:  # 16-key tiles (:func:`one_warp_plan`)
-        pass
-    elif page_size % FP8_ONE_WARP_LONG.block_n == 0 and keys > LONG_SPLIT_KEYS:
+    # head dim 256 keeps the 16-key tiles (:func:`one_warp_plan`)
+    if head_dim == 128 and page_size % FP8_ONE_WARP_LONG.block_n == 0 and keys > LONG_SPLIT_KEYS:
         plan = _fp8_splits(batch, heads, t_max, num_sms, plan.num_splits, FP8_ONE_WARP_LONG)
-    elif page_size % FP8_ONE_WARP_FEW.block_n == 0 and keys <= FEW_SPLIT_KEYS:
+    elif head_dim == 128 and page_size % FP8_ONE_WARP_FEW.block_n == 0 and keys <= FEW_SPLIT_KEYS:
         plan = _fp8_splits(batch, heads, t_max, num_sms, splits, FP8_ONE_WARP_FEW)
     return plan._replace(page_tiles=page_size > 0 and page_size % plan.config.block_n == 0)
 
