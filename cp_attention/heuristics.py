@@ -304,11 +304,12 @@ ONE_WARP_MAX_ROWS = 32
 # ... at head dim 256: one warp (the two-warp programs spill 496 bytes of registers there, Triton 3.6, sm_90; not
 # measured); more rows stay on the Triton kernel (WIDE_FP8)
 ONE_WARP_MAX_ROWS_256 = 16
-# ... and the most it is planned for (more rows run there only with a given plan): H200, e4m3, 16/8/256, graph µs,
-# the one-warp kernel against the Triton kernel's policy: 2 rows (GQA 2) at B=1 T=128k 138.1 against 158.0-161.6
-# (softcap + sinks); causal drafts of 8 rows 166.1-166.6 against 158.1-158.6, 16 rows 181.3-182.0 against
-# 159.8-160.4; 8 rows at B=16 T=32k 603.0-633.0 against 616.8-644.7 (benchmarks/NOTES.md, twenty-fifth round)
-ONE_WARP_PLAN_ROWS_256 = 2
+# ... and the most it is planned for (more rows run there only with a given plan): up to 8 rows the keys are the
+# mma rows (Note [Keys as the mma rows]); H200, e4m3, 16/8/256, graph µs, the one-warp kernel against the Triton
+# kernel's policy at B=1 T=128k: causal drafts of 4 rows 133.8-133.9 and 8 rows 140.0-140.2 against 157.4-157.8
+# (benchmarks/NOTES.md, twenty-sixth round); 16 rows (the rows' form) 181.3-182.0 against 159.8-160.4
+# (twenty-fifth round)
+ONE_WARP_PLAN_ROWS_256 = 8
 # Each split of the one-warp kernel writes a state of 516 bytes a query row that the combine reads back; where
 # its plan's splits hold fewer than this many keys a row, the states rival the splits' K/V (256 bytes a key in
 # FP8) and the Triton kernel, whose wider programs take fewer splits, is faster: H200, e4m3, 32/8/128, windows

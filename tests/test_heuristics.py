@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cp_attention.heuristics import (FOUR_PER_SM, FP8_ONE_WARP, FP8_ONE_WARP_FEW, FP8_ONE_WARP_LONG, FP8_ROWS_32,
-                                      FP8_TABLE_LOOP, FP8_TWO_WARPS, ONE_WARP_KEYS_PER_ROW, REFERENCE_SMS, WIDE_FP8,
+                                      FP8_TABLE_LOOP, FP8_TWO_WARPS, ONE_WARP_KEYS_PER_ROW, ONE_WARP_PLAN_ROWS_256, REFERENCE_SMS, WIDE_FP8,
                                       WIDE_FP8_TABLE_LOOP, WIDE_HEADS, WIDE_PAGES, DecodeConfig, DecodePlan,
                                       PrefixConfig, decode_config, decode_plan, num_sms, num_splits, prefix_config, prefix_num_splits,
                                       one_warp_fp8, one_warp_plan, prefix_plan)
@@ -242,10 +242,11 @@ def test_one_warp_fp8_domain_and_plan(monkeypatch):
         assert (eight.tiles_per_split * 16 > 4096) == (config == FP8_ONE_WARP_LONG)
         assert (eight.tiles_per_split * 16 <= 2048) == (config == FP8_ONE_WARP_FEW)
     for (b, t), page in itertools.product(long_tiles, (0, 1, 16, 64)):  # head dim 256: eight programs, 16-key tiles
-        plan = one_warp_plan(b, 8, t, 132, page_size=page, rows=2, head_dim=256)
-        assert plan[:3] == decode_plan(b, 8, t, 256, torch.bfloat16, 132, None, FP8_ONE_WARP, e4m3)[:3], plan
-        assert plan.page_tiles == (page % 16 == 0 and page > 0), plan
-        assert one_warp_plan(b, 8, t, 132, page_size=page, rows=3, head_dim=256) is None  # the Triton kernel's
+        for rows in (2, ONE_WARP_PLAN_ROWS_256):
+            plan = one_warp_plan(b, 8, t, 132, page_size=page, rows=rows, head_dim=256)
+            assert plan[:3] == decode_plan(b, 8, t, 256, torch.bfloat16, 132, None, FP8_ONE_WARP, e4m3)[:3], plan
+            assert plan.page_tiles == (page % 16 == 0 and page > 0), plan
+        assert one_warp_plan(b, 8, t, 132, page_size=page, rows=ONE_WARP_PLAN_ROWS_256 + 1, head_dim=256) is None
     assert one_warp_plan(1, 8, 1 << 20, 132, splits=7)[:3] == (FP8_ONE_WARP_LONG, 7, 4682)
     assert one_warp_plan(1, 8, 131072, 132, splits=7)[:3] == (FP8_ONE_WARP_LONG, 7, 586)
     assert one_warp_plan(1, 8, 131072, 132, splits=200)[:3] == (FP8_ONE_WARP_FEW, 196, 21)

@@ -147,14 +147,15 @@ def running_max(m_i, m_x, SCALE: tl.constexpr):
 
 
 @triton.jit
-def lazy_running_max(m_i, m_x, l_i, r_i, acc, THRESHOLD: tl.constexpr):
+def lazy_running_max(m_i, m_x, l_i, r_i, acc, THRESHOLD: tl.constexpr, AX: tl.constexpr = 1):
     """:func:`running_max` for base-2 scores whose reference max moves only when a row's max rises by more
     than ``THRESHOLD`` (then the sums ``l_i``, ``r_i`` and ``acc`` are rescaled; a branch, taken on few tiles):
     otherwise the weights ``2^(s - m_ref)`` are taken against the old max and stay below ``2^THRESHOLD``. The
-    state is the same; only the reference of its sums differs. Returns ``(m_i, m_ref, l_i, r_i, acc)``."""
+    state is the same; only the reference of its sums differs. ``AX``: the head dim's axis of ``acc`` (0:
+    ``acc [D, M]``, transposed). Returns ``(m_i, m_ref, l_i, r_i, acc)``."""
     m_new, m_ref, alpha = running_max(m_i, m_x, 1.0)
     if tl.max((m_new > m_i + THRESHOLD).to(tl.int32), 0):
-        acc = acc * alpha[:, None]
+        acc = acc * tl.expand_dims(alpha, AX)
         l_i = l_i * alpha
         r_i = r_i * alpha
         m_i = m_new
@@ -237,20 +238,21 @@ def score_scales(sm_scale, cap, K_SCALE, V_SCALE, k_scale, v_scale, i_h64, strid
 
 
 @triton.jit
-def fp16_query(b_q, qk_scale, KV_SCALE: tl.constexpr):
+def fp16_query(b_q, qk_scale, KV_SCALE: tl.constexpr, AX: tl.constexpr = 1):
     """The query rows ``b_q [M, D]`` and score scale for the dots against a K/V tile: unchanged for a
     bf16/fp16 cache; for an FP8 cache (``KV_SCALE != 0``) and a bf16 query, ``(q * 2^(13 - e) in fp16,
     qk_scale * 2^(e - 13) [M, 1])`` per row, with ``2^e <= max |q| < 2^(e + 1)`` (powers of two built from
-    their exponent bits: exact), so the dots run in fp16 (Note [Attention states inside kernels], FP8)."""
+    their exponent bits: exact), so the dots run in fp16 (Note [Attention states inside kernels], FP8).
+    ``AX``: the head dim's axis of ``b_q`` (0: ``q^T [D, M]``, then the scale ``[1, M]``)."""
     if KV_SCALE != 0:  # both tests at compile time
         if b_q.dtype == tl.bfloat16:
             q = b_q.to(tl.float32)
-            e = (tl.max(tl.abs(q), 1).to(tl.int32, bitcast=True) >> 23) - 127  # non-negative floats: no sign bit
+            e = (tl.max(tl.abs(q), AX).to(tl.int32, bitcast=True) >> 23) - 127  # non-negative floats: no sign bit
             e = tl.minimum(tl.maximum(e, -100), 127)
             up = ((140 - e) << 23).to(tl.float32, bitcast=True)  # 2^(13 - e)
             down = ((114 + e) << 23).to(tl.float32, bitcast=True)  # 2^(e - 13)
-            b_q = (q * up[:, None]).to(tl.float16)
-            qk_scale = qk_scale * down[:, None]
+            b_q = (q * tl.expand_dims(up, AX)).to(tl.float16)
+            qk_scale = qk_scale * tl.expand_dims(down, AX)
     return b_q, qk_scale
 
 
@@ -557,13 +559,13 @@ def unpair_state(o, lse, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, W: tl.con
 
 
 @triton.jit
-def add_sink(o, lse, sink):
+def add_sink(o, lse, sink, AX: tl.constexpr = 1):
     """``(o, lse) ⊕ (0, sink)``: one extra logit per row in the softmax denominator, with no value (attention
-    sinks). A row that saw no key gets ``o = 0``, ``lse = sink``."""
+    sinks). A row that saw no key gets ``o = 0``, ``lse = sink``. ``AX``: the head dim's axis of ``o``."""
     m = tl.maximum(lse, sink)
     w = tl.exp2((lse - m) * LOG2E)
     total = w + tl.exp2((sink - m) * LOG2E)
-    return o * (w / total)[:, None], m + tl.log2(total) * LN2
+    return o * tl.expand_dims(w / total, AX), m + tl.log2(total) * LN2
 
 
 @triton.jit
@@ -626,12 +628,13 @@ def merge_block(m_i, l_i, acc, p_lse, p_o, j0, n, stride_ls, stride_lg, stride_o
 
 
 @triton.jit
-def finalize(m_i, l_i, acc, M_SCALE: tl.constexpr):
+def finalize(m_i, l_i, acc, M_SCALE: tl.constexpr, AX: tl.constexpr = 1):
     """``(m, l, acc)`` -> the normalised state ``(o [M, D], lse [M])``, natural log:
     ``lse = m * M_SCALE + ln(l)`` (``M_SCALE``: ``LN2`` for a base-2 running max, 1 for a natural-log
-    one). An empty set (``l = 0``) gives ``(0, -inf)``."""
+    one). An empty set (``l = 0``) gives ``(0, -inf)``. ``AX``: the head dim's axis of ``acc`` (0: ``acc [D,
+    M]`` gives ``o [D, M]``)."""
     empty = l_i == 0.0  # (a NaN sum is not empty: it stays NaN)
     l_safe = tl.where(empty, 1.0, l_i)
-    o = acc / l_safe[:, None]
+    o = acc / tl.expand_dims(l_safe, AX)
     lse = tl.where(empty, float("-inf"), m_i * M_SCALE + tl.log2(l_safe) * LN2)
     return o, lse

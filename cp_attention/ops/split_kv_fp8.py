@@ -28,24 +28,24 @@ layouts (Gluon), one warp a program, with what Triton's ``tl.dot`` cannot expres
   the ~1M such stores of 16-row states at the kernel's end cost 16% of the call (H200, e4m3, graph µs: 87.2 ->
   73.3; 4 rows 70.5 -> 69.3; benchmarks/NOTES.md, twenty-second round).
 * **``p`` stays in registers.** The scores' accumulator layout is the next ``mma``'s operand layout for
-  16-bit ``p`` (as in FlashAttention-2), and with one warp a program every row reduction stays inside the
-  warp (two shuffles), with no barrier in the loop beyond the ``cp.async`` ring's.
+  16-bit ``p`` (as in FlashAttention-2; with the keys as the rows, two shuffles away from it), and with one warp
+  a program every row reduction stays inside the warp (two or three shuffles), with no barrier in the loop
+  beyond the ``cp.async`` ring's.
 * **Eight programs per SM** of one warp each, one wave (a ring of three K/V tiles in shared memory filled
   by ``cp.async``, 16 keys a tile, 32 for splits of more than 4096 positions; four programs per SM in 32-key
   tiles where eight would get splits of at most 2048: :func:`cp_attention.heuristics.one_warp_plan`);
-  168-227 registers, 12 or 24 KB; programs of two warps (17-32 rows) four per SM, 204 registers, 24 KB. At head
-  dim 256 the 16-key tiles hold a 32-key tile's bytes: 255 registers (eight programs fill an SM's registers) and
-  72-104 bytes of spills (Triton 3.6: a few copy addresses, reloaded from L1 eight or nine times a tile), 24 KB;
-  at most 16 rows (two warps would spill 496 bytes). There it took 0.53-0.55x of bf16's time where the Triton
-  kernel took 0.6-0.63x (H200, e4m3, 16/8/256, graph µs: B=1 T=128k 138.2 against 149.6, B=16 T=32k 504.2
-  against 581.3, B=64 T=8k 503.5 against 601.8; benchmarks/NOTES.md, twenty-fifth round).
+  142-168 registers at up to 8 rows (Note [Keys as the mma rows]), 184-227 at 9-16, 12 or 24 KB; programs of two
+  warps (17-32 rows) four per SM, 204 registers, 24 KB. At head dim 256 the 16-key tiles hold a 32-key tile's
+  bytes, 24 KB: 237-242 registers and no spills at up to 8 rows; 9-16 rows fill an SM's registers (255) and spill
+  72-104 bytes (Triton 3.6: a few copy addresses, reloaded from L1 eight or nine times a tile); at most 16 rows
+  (two warps would spill 496 bytes).
 * **The running max moves lazily** (:func:`~cp_attention.ops._state.lazy_running_max`): only when a row's max
   rises by more than 2^8 (``LAZY_RESCALE``) is the state rescaled (a branch around 80 instructions); otherwise
   the weights are taken against the old max and stay below 2^8. The state is the same; only the reference of
   the sums differs.
 
-The loop executes 340 instructions per 16-key tile of a warp, 590 per 32-key tile (21 and 18 a key; Triton 3.6,
-sm_90; the Triton FP8 loop ~35; at head dim 256 ~640 per 16-key tile). The state algebra is ``ops/_state.py``'s
+The loop executes ~300 instructions per 16-key tile of a warp with the keys as the rows (~380 with 16 rows), ~510
+per 32-key tile (~590) (Triton 3.6, sm_90; the Triton FP8 loop ~35 a key). The state algebra is ``ops/_state.py``'s
 (:func:`~cp_attention.ops._state.lazy_running_max`, :func:`~cp_attention.ops._state.finalize`; level 2 is
 ``split_kv._combine_kernel``); the numerics are those of the Triton kernel (Note [Attention states inside
 kernels]: fp16 query scaled by a power of two per row, fp16 products, ``o`` normalised by the sum of the weights
@@ -64,6 +64,24 @@ slower than the Triton kernel's 64-row tiles: each warp does a whole tile's work
 a window or row limits the splits start on a whole tile below the first position any row sees (a tile then
 stays within a page), and the tiles that reach below a row's first position are masked like those that
 reach past its last.
+
+Note [Keys as the mma rows]
+---------------------------
+Plain decode has few query rows per KV head (GQA 4: 4), and an ``m16n8k16`` row block of 16 rows leaves 12 of
+them empty. With at most 8 rows (``ROWS_KM``) the one-warp kernel transposes both products: ``s^T [keys, 8] =
+k . q^T`` and ``acc^T [D, 8] += v^T . p^T``, the keys (then the head dim) on the ``mma``'s 16 rows and the query
+rows on its 8 columns. Half the ``mma`` (e.g. 16 instead of 32 a 16-key tile at head dim 128), half the
+accumulator's registers (32 instead of 64 at 128), half the exponentials. The K and V register tiles are the same
+bytes as before (lane ``(g, t)`` holds keys ``g`` and ``g + 8`` of K, keys ``2t, 2t+1, 2t+8, 2t+9`` of V), only read
+as the A operand; ``q^T`` is loaded once as the B operand. What it costs: a row's max and sums reduce over the
+keys, across the 8 lanes of a column (three shuffles a value where the rows' form takes two), and ``p^T`` goes
+from the accumulator's layout to the B operand's (two ``SHFL.IDX`` a tile at 16 keys, no shared memory). The
+state is the same computation in another order of additions. Measured (H200, e4m3, graph µs, one process per form,
+two rounds; benchmarks/NOTES.md, twenty-sixth round): head dim 128 dense at the bar's shapes within -0.6..+0.3%
+(B=16 T=32k 254.7 -> 253.4), its pools of 16 slots 3.6% faster (253.7 -> 244.6); head dim 256 dense 1.5-2%
+faster (B=1 T=128k 134.3 -> 131.5), its pools 11-15% faster (B=16 T=32k pages of 16 545 -> 484: the spills
+were the pools' loss), causal drafts of 4 and 8 rows 15% faster (158.3 -> 133.8, 165.0 -> 140.0) and now ahead
+of the Triton kernel (157.5).
 
 Gluon kernels have no interpreter path: on the CPU the tests compile this kernel for sm_90
 (``tests/test_aot.py``) and check the plan's choice; on the GPU they check it against the float64 oracle
@@ -84,6 +102,7 @@ _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_glo
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 ROWS_1W = gl.constexpr(16)  # query rows per tile: one m16n8k16 row block
+ROWS_KM = gl.constexpr(8)  # ... with the keys as the rows (Note [Keys as the mma rows]): one n8 column block
 # The running max moves (and the state is rescaled) only when a row's max rises by more than this many
 # powers of two; otherwise the weights are taken against the old max, at most 2^LAZY_RESCALE (fp16 holds them)
 LAZY_RESCALE = gl.constexpr(8.0)
@@ -165,11 +184,12 @@ def _issue_tile(s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt, stride_kp, strid
 @gluon.jit
 def _attend_tile(q, b_k, b_v, qk_scale, cap, m_i, l_i, r_i, acc, key0, row_lo, row_hi, o_key, MASKED: gl.constexpr,
                  HAS_ROW_LO: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_N: gl.constexpr, W: gl.constexpr,
-                 D: gl.constexpr):
+                 D: gl.constexpr, KEYS_M: gl.constexpr):
     """Fold one K/V tile (FP8, as loaded in the permuted register layouts) into the running state ``(m_i,
     l_i, r_i, acc)`` (``l`` sums the weights, ``r`` the weights rounded to fp16: ``_state.take_weights``);
     ``MASKED``: keys ``key0 + o_key >= row_hi`` of a row are left out, and with ``HAS_ROW_LO`` those ``<
-    row_lo``; ``SOFTCAP``: the scores capped (``_state.capped``)."""
+    row_lo``; ``SOFTCAP``: the scores capped (``_state.capped``). ``KEYS_M`` (Note [Keys as the mma rows]):
+    the products transposed, ``s [BLOCK_N, 8] = k . q^T`` and ``acc [D, 8] += v^T . p^T``."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
@@ -179,24 +199,33 @@ def _attend_tile(q, b_k, b_v, qk_scale, cap, m_i, l_i, r_i, acc, key0, row_lo, r
         k = gl.permute(k, (3, 4, 5, 6, 1, 2, 7, 0))
     else:
         k = gl.permute(k, (3, 4, 5, 6, 7, 1, 2, 8, 0))
-    k = gl.convert_layout(gl.reshape(k, [D, BLOCK_N]), b_l)
-    s = capped(mma_v2(q, k, gl.zeros([ROWS_1W * W, BLOCK_N], gl.float32, layout=mma)) * qk_scale, cap, SOFTCAP)
+    k = gl.reshape(k, [D, BLOCK_N])
+    if KEYS_M:
+        s = mma_v2(gl.convert_layout(gl.permute(k, (1, 0)), a_l), q, gl.zeros([BLOCK_N, ROWS_KM], gl.float32, layout=mma))
+        key_ax: gl.constexpr = 0
+    else:
+        s = mma_v2(q, gl.convert_layout(k, b_l), gl.zeros([ROWS_1W * W, BLOCK_N], gl.float32, layout=mma))
+        key_ax: gl.constexpr = 1
+    s = capped(s * qk_scale, cap, SOFTCAP)
     if MASKED:
-        key = key0 + o_key[None, :]
-        seen = key < row_hi[:, None]
+        key = key0 + gl.expand_dims(o_key, 1 - key_ax)
+        seen = key < gl.expand_dims(row_hi, key_ax)
         if HAS_ROW_LO:
-            seen = seen & (key >= row_lo[:, None])
+            seen = seen & (key >= gl.expand_dims(row_lo, key_ax))
         s = gl.where(seen, s, float("-inf"))
-    m_i, m_ref, l_i, r_i, acc = lazy_running_max(m_i, gl.max(s, 1), l_i, r_i, acc, LAZY_RESCALE)
-    p, l_i, r_i = take_weights(s, m_ref, l_i, r_i, gl.float16, 1)
+    m_i, m_ref, l_i, r_i, acc = lazy_running_max(m_i, gl.max(s, key_ax), l_i, r_i, acc, LAZY_RESCALE, key_ax)
+    p, l_i, r_i = take_weights(s, m_ref, l_i, r_i, gl.float16, key_ax)
     # V [BLOCK_N, byte (g2 g1 g0 i..)] -> [key, n (i.. g2 g1 g0)]: the operand of p @ v
     v = gl.reshape(b_v.to(gl.float16), _byte_bits(BLOCK_N, D))
     if D == 128:
         v = gl.permute(v, (0, 4, 5, 6, 7, 1, 2, 3))
     else:
         v = gl.permute(v, (0, 4, 5, 6, 7, 8, 1, 2, 3))
-    v = gl.convert_layout(gl.reshape(v, [BLOCK_N, D]), b_l)
-    acc = mma_v2(gl.convert_layout(p, a_l), v, acc)
+    v = gl.reshape(v, [BLOCK_N, D])
+    if KEYS_M:
+        acc = mma_v2(gl.convert_layout(gl.permute(v, (1, 0)), a_l), gl.convert_layout(p, b_l), acc)
+    else:
+        acc = mma_v2(gl.convert_layout(p, a_l), gl.convert_layout(v, b_l), acc)
     return m_i, l_i, r_i, acc
 
 
@@ -205,7 +234,7 @@ def _next_tile(q, qk_scale, cap, s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt,
                stride_btp, num_pages, page, t_start, t_end, it, row_lo, row_hi, o_key, m_i, l_i, r_i, acc,
                MASKED: gl.constexpr, HAS_ROW_LO: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_N: gl.constexpr,
                NUM_STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr, IS_PAGED: gl.constexpr, KEY_PAGES: gl.constexpr,
-               k_l: gl.constexpr, v_l: gl.constexpr, W: gl.constexpr, D: gl.constexpr):
+               k_l: gl.constexpr, v_l: gl.constexpr, W: gl.constexpr, D: gl.constexpr, KEYS_M: gl.constexpr):
     """Tile ``it`` of the split: start the copy of tile ``it + NUM_STAGES - 1`` (in pool pages ``page`` of a
     paged cache) into the ring stage that tile ``it - 1`` held, read the block-table entries of the tile after
     it (returned: their latency hides behind this tile), wait for tile ``it``'s copy and fold it in
@@ -219,7 +248,7 @@ def _next_tile(q, qk_scale, cap, s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt,
     _barrier()
     m_i, l_i, r_i, acc = _attend_tile(q, s_k.index(it % NUM_STAGES).load(k_l), s_v.index(it % NUM_STAGES).load(v_l),
                                       qk_scale, cap, m_i, l_i, r_i, acc, t_start + it * BLOCK_N, row_lo, row_hi, o_key,
-                                      MASKED, HAS_ROW_LO, SOFTCAP, BLOCK_N, W, D)
+                                      MASKED, HAS_ROW_LO, SOFTCAP, BLOCK_N, W, D, KEYS_M)
     return m_i, l_i, r_i, acc, page
 
 
@@ -256,14 +285,17 @@ def _split_kv_fp8_kernel(
     if PDL:  # Note [Programmatic dependent launch]
         _gdc("wait")
     D: gl.constexpr = HEAD_DIM
-    M: gl.constexpr = BLOCK_H
     ROWS: gl.constexpr = Q_ROWS * GROUP_SIZE
+    KEYS_M: gl.constexpr = W == 1 and ROWS <= ROWS_KM  # Note [Keys as the mma rows]
+    M: gl.constexpr = ROWS_KM if KEYS_M else BLOCK_H  # query rows a program holds
     N_RT: gl.constexpr = (ROWS + M - 1) // M  # row tiles, one program each (Note [One-warp FP8 tiles])
     ROWS_T: gl.constexpr = M if ROWS > M else ROWS  # rows of a full tile
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    row_l: gl.constexpr = gl.SliceLayout(1, mma)
-    col_l: gl.constexpr = gl.SliceLayout(0, mma)
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    RAX: gl.constexpr = 0 if KEYS_M else 1  # the head dim's (and keys') axis of the accumulators; rows on the other
+    row_l: gl.constexpr = gl.SliceLayout(RAX, mma)
+    col_l: gl.constexpr = gl.SliceLayout(1 - RAX, mma)
     k_l: gl.constexpr = _tile_layout(BLOCK_N, False, W, D)
     v_l: gl.constexpr = _tile_layout(BLOCK_N, True, W, D)
     cp_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[512 // D, D // 16],
@@ -315,16 +347,17 @@ def _split_kv_fp8_kernel(
     # the keys' byte order, scaled into fp16 (_state.fp16_query; Note [Attention states inside kernels], FP8).
     # Written out here and for the state's rows below: through row_heads the compiler schedules the loop anew
     # (Triton 3.6, sm_90: 14 of the 17 specs' SASS changed, 168 -> 180 registers for GQA 4 split), not measured
-    o_qr = i_rt * M + gl.arange(0, M, layout=gl.SliceLayout(1, a_l))
-    o_qk = gl.arange(0, D, layout=gl.SliceLayout(0, a_l))
+    q_l: gl.constexpr = b_l if KEYS_M else a_l  # q^T [D, M] is the B operand of k . q^T
+    o_qr = i_rt * M + gl.arange(0, M, layout=gl.SliceLayout(RAX, q_l))
+    o_qk = gl.arange(0, D, layout=gl.SliceLayout(1 - RAX, q_l))
     q_byte = (o_qk & 1) + 2 * ((o_qk >> 3) & 1) + 4 * (o_qk >> 4) + D // 4 * ((o_qk >> 1) & 3)
     q_tok = (o_qr // GROUP_SIZE).to(gl.int64)
     q_head = i_h64 * GROUP_SIZE + o_qr % GROUP_SIZE
-    q = gl.load(Q + i_b64 * stride_qb + (q_tok * stride_qq + q_head * stride_qh)[:, None] + q_byte[None, :],
-                mask=(o_qr < ROWS)[:, None], other=0.0)
+    q = gl.load(Q + i_b64 * stride_qb + gl.expand_dims(q_tok * stride_qq + q_head * stride_qh, RAX)
+                + gl.expand_dims(q_byte, 1 - RAX), mask=gl.expand_dims(o_qr < ROWS, RAX), other=0.0)
     qk_scale, vs = score_scales(sm_scale, cap, K_SCALE, V_SCALE, k_scale, v_scale, i_h64, stride_ksh, stride_vsh,
                                 SOFTCAP, KV_SCALE)
-    q, qk_scale = fp16_query(q, qk_scale, KV_SCALE)
+    q, qk_scale = fp16_query(q, qk_scale, KV_SCALE, RAX)
     if Q.dtype.element_ty == gl.bfloat16:  # a scale per row, beside the scores'
         qk_scale = gl.convert_layout(qk_scale, mma)
 
@@ -360,36 +393,41 @@ def _split_kv_fp8_kernel(
     m_i = gl.full([M], float("-inf"), gl.float32, layout=row_l)
     l_i = gl.zeros([M], gl.float32, layout=row_l)
     r_i = gl.zeros([M], gl.float32, layout=row_l)
-    acc = gl.zeros([M, D], gl.float32, layout=mma)
+    if KEYS_M:
+        acc = gl.zeros([D, M], gl.float32, layout=mma)
+    else:
+        acc = gl.zeros([M, D], gl.float32, layout=mma)
     if HAS_ROW_LO:
         for it in range(0, n_lo):
             m_i, l_i, r_i, acc, page = _next_tile(q, qk_scale, cap, s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt,
                                                   stride_kb, stride_vb, p_bt, stride_btp, NUM_PAGES, page, t_start,
                                                   t_end, it, row_lo, row_hi, o_key, m_i, l_i, r_i, acc, True,
                                                   HAS_ROW_LO, SOFTCAP, BLOCK_N, NUM_STAGES, PAGE_SIZE, IS_PAGED,
-                                                  KEY_PAGES, k_l, v_l, W, D)
+                                                  KEY_PAGES, k_l, v_l, W, D, KEYS_M)
     for it in range(n_lo, n_full):
         m_i, l_i, r_i, acc, page = _next_tile(q, qk_scale, cap, s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt,
                                               stride_kb, stride_vb, p_bt, stride_btp, NUM_PAGES, page, t_start, t_end,
                                               it, row_lo, row_hi, o_key, m_i, l_i, r_i, acc, False, HAS_ROW_LO,
                                               SOFTCAP, BLOCK_N, NUM_STAGES, PAGE_SIZE, IS_PAGED, KEY_PAGES, k_l, v_l, W,
-                                              D)
+                                              D, KEYS_M)
     for it in range(n_full, n_tiles):  # the tiles that reach a row's last key
         m_i, l_i, r_i, acc, page = _next_tile(q, qk_scale, cap, s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt,
                                               stride_kb, stride_vb, p_bt, stride_btp, NUM_PAGES, page, t_start, t_end,
                                               it, row_lo, row_hi, o_key, m_i, l_i, r_i, acc, True, HAS_ROW_LO,
                                               SOFTCAP, BLOCK_N, NUM_STAGES, PAGE_SIZE, IS_PAGED, KEY_PAGES, k_l, v_l, W,
-                                              D)
+                                              D, KEYS_M)
     async_copy.wait_group(0)
     if PDL:  # the K/V reads are done
         _gdc("launch_dependents")
 
     # the state (o normalised by the rounded weights, lse from the weights; (0, -inf) where no key was seen)
-    o, _ = finalize(m_i, r_i, acc, LN2)
-    _, lse = finalize(m_i, l_i, acc, LN2)
+    o, _ = finalize(m_i, r_i, acc, LN2, RAX)
+    _, lse = finalize(m_i, l_i, acc, LN2, RAX)
     o = o * vs
     if not EXPORT and HAS_SINKS:
-        o, lse = add_sink(o, lse, gl.load(SINKS + o_head * stride_sink, mask=m_row, other=0.0))
+        o, lse = add_sink(o, lse, gl.load(SINKS + o_head * stride_sink, mask=m_row, other=0.0), RAX)
+    if KEYS_M:
+        o = gl.permute(o, (1, 0))
     # Output column n holds value dim D/8 (n % 8) + n // 8: renamed into value order, then each row stored by the
     # whole warp in 16-byte pieces (through shared memory); from the accumulator's layout every lane would
     # write 4-byte pieces D/2 bytes apart
