@@ -125,9 +125,9 @@ def one_warp_plan(batch: int, num_kv_heads: int, t_max: int, num_sms: int, split
     programs per SM (or ``splits``); where the pages, if any, hold whole 32-key tiles, in
     :data:`FP8_ONE_WARP_LONG`'s 32-key tiles (the same splits) where such a split holds more than
     :data:`LONG_SPLIT_KEYS` positions, and in one wave of :data:`FP8_ONE_WARP_FEW`'s four programs per SM (or
-    ``splits``) where it holds at most :data:`FEW_SPLIT_KEYS`. A paged cache (``page_size`` > 0) gets the dense
-    plan's splits, with one block-table entry read a tile where a page holds whole tiles (``page_tiles``: pages
-    of a multiple of 16), else one a key. ``rows``: query rows per KV head (query rows x GQA group). 17-32 rows
+    ``splits``) where it holds at most :data:`FEW_SPLIT_KEYS` (:data:`FEW_SPLIT_KEYS_8_ROWS` for at most 8
+    rows). A paged cache (``page_size`` > 0) gets the dense plan's splits, with one block-table entry read a tile
+    where a page holds whole tiles (``page_tiles``: pages of a multiple of 16), else one a key. ``rows``: query rows per KV head (query rows x GQA group). 17-32 rows
     take :data:`FP8_ROWS_32`'s programs of two warps (16 rows each, one ring), one a split, four per SM, where
     the pages hold whole 32-key tiles; elsewhere row tiles of 16, a program each, counted in the wave like KV
     heads (H200, e4m3, 32/8/128, graph µs, two warps / row tiles / the Triton kernel: 20 rows at B=1 T=128k
@@ -182,7 +182,8 @@ def _row_tile_plan(batch: int, num_kv_heads: int, t_max: int, num_sms: int, spli
     # head dim 256 keeps the 16-key tiles (:func:`one_warp_plan`)
     if head_dim == 128 and page_size % FP8_ONE_WARP_LONG.block_n == 0 and keys > LONG_SPLIT_KEYS:
         plan = _fp8_splits(batch, heads, t_max, num_sms, plan.num_splits, FP8_ONE_WARP_LONG)
-    elif head_dim == 128 and page_size % FP8_ONE_WARP_FEW.block_n == 0 and keys <= FEW_SPLIT_KEYS:
+    elif (head_dim == 128 and page_size % FP8_ONE_WARP_FEW.block_n == 0
+          and keys <= (FEW_SPLIT_KEYS_8_ROWS if rows <= 8 else FEW_SPLIT_KEYS)):
         plan = _fp8_splits(batch, heads, t_max, num_sms, splits, FP8_ONE_WARP_FEW)
     return plan._replace(page_tiles=page_size > 0 and page_size % plan.config.block_n == 0)
 
@@ -290,6 +291,12 @@ LONG_SPLIT_KEYS = 4096
 # deeper rings slower at 128k (benchmarks/NOTES.md, twenty-first round)
 FP8_ONE_WARP_FEW = DecodeConfig(32, 1, 3, programs=4, warp_rows=16)
 FEW_SPLIT_KEYS = 2048
+# ... and up to LONG_SPLIT_KEYS where the keys are the mma rows (at most 8 rows a KV head: Note [Keys as the mma
+# rows]), whose tiles take fewer registers: H200, e4m3, 32/8/128, graph µs, three interleaved rounds, 16-key tiles
+# at eight an SM / 32-key at four: B=64 T=8k (4096 a split) 260.3-276.8 / 245.9-255.9, B=16 T=32k 252.4-258.5 /
+# 247.2-267.3, B=128 T=4k 255.9-261.0 / 252.9-258.1; at 2048 and below as before (B=32 T=8k 137.4-137.6 /
+# 129.2-130.5); 32-key tiles at eight an SM 259.2-261.4 and 252.2-253.5 (benchmarks/NOTES.md, twenty-sixth round)
+FEW_SPLIT_KEYS_8_ROWS = LONG_SPLIT_KEYS
 # ... for 17-32 query rows per KV head: a warp for each 16 rows sharing one ring of 32-key tiles, four programs
 # (eight warps) per SM (the one-warp kernel's loop in each warp; 204 registers, 24 KB)
 FP8_ROWS_32 = DecodeConfig(32, 2, 3, programs=4, warp_rows=16)

@@ -211,8 +211,8 @@ def test_one_warp_fp8_domain_and_plan(monkeypatch):
     """Note [One-warp FP8 tiles]: only CUDA devices of compute capability 9 run the Gluon kernel (never the
     CPU or the interpreter), for FP8 caches of head dim 128 or 256 and more than 512 positions, dense or paged,
     read by at most 32 query rows (16 at head dim 256); its plan is one wave of eight one-warp programs per SM (of
-    four in 32-key tiles where the eight's splits hold at most 2048 positions; at head dim 256 always eight in
-    16-key tiles), the dense cache's splits for a paged one (one table entry a tile where pages hold whole tiles),
+    four in 32-key tiles where the eight's splits hold at most 4096 positions, 2048 above 8 rows; at head dim 256
+    always eight in 16-key tiles), the dense cache's splits for a paged one (one table entry a tile where pages hold whole tiles),
     in 32-key tiles only where pages hold them."""
     e4m3 = torch.float8_e4m3fn
     assert not one_warp_fp8(torch.device("cpu"), e4m3, 128, 4, 131072, True)
@@ -232,15 +232,18 @@ def test_one_warp_fp8_domain_and_plan(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not one_warp_fp8(cuda, e4m3, 128, 4, 131072, True)
     long_tiles = {(1, 131072): (66, FP8_ONE_WARP_FEW), (1, 1 << 20): (132, FP8_ONE_WARP_LONG),
-                  (16, 32768): (8, FP8_ONE_WARP), (64, 8192): (2, FP8_ONE_WARP), (4, 1 << 20): (33, FP8_ONE_WARP_LONG),
-                  (1, 8192): (64, FP8_ONE_WARP_FEW), (4, 32768): (16, FP8_ONE_WARP_FEW), (2, 262144): (66, FP8_ONE_WARP)}
+                  (16, 32768): (4, FP8_ONE_WARP_FEW), (64, 8192): (1, FP8_ONE_WARP_FEW),
+                  (4, 1 << 20): (33, FP8_ONE_WARP_LONG), (1, 8192): (64, FP8_ONE_WARP_FEW),
+                  (4, 32768): (16, FP8_ONE_WARP_FEW), (2, 262144): (33, FP8_ONE_WARP_FEW)}
     for (b, t), (splits, config) in long_tiles.items():
         plan = one_warp_plan(b, 8, t, 132)
         assert (plan.config, plan.num_splits, plan.streams) == (config, splits, 1), plan
         assert plan.num_splits * plan.tiles_per_split * config.block_n >= t
         eight = decode_plan(b, 8, t, 128, torch.bfloat16, 132, None, FP8_ONE_WARP, e4m3)
         assert (eight.tiles_per_split * 16 > 4096) == (config == FP8_ONE_WARP_LONG)
-        assert (eight.tiles_per_split * 16 <= 2048) == (config == FP8_ONE_WARP_FEW)
+        assert (eight.tiles_per_split * 16 <= 4096) == (config == FP8_ONE_WARP_FEW)  # at most 8 rows
+        if 2048 < eight.tiles_per_split * 16 <= 4096:  # more rows: FP8_ONE_WARP's plan there
+            assert one_warp_plan(b, 8, t, 132, rows=16)[:3] == eight[:3]
     for (b, t), page in itertools.product(long_tiles, (0, 1, 16, 64)):  # head dim 256: eight programs, 16-key tiles
         for rows in (2, ONE_WARP_PLAN_ROWS_256):
             plan = one_warp_plan(b, 8, t, 132, page_size=page, rows=rows, head_dim=256)
