@@ -271,15 +271,16 @@ FOUR_PER_SM = DecodeConfig(64, 4, 2, programs=4, maxnreg=128)  # 65536 registers
 # spills for query tiles of up to 32 rows; 64 rows spill)
 FP8_TWO_WARPS = DecodeConfig(64, 2, 3, programs=4)
 # The one-warp FP8 kernel of sm_90 (ops/split_kv_fp8.py, :func:`one_warp_fp8`): 16-key tiles, one warp, a ring
-# of three stages, eight programs per SM (168-192 registers, 12 KB of shared memory; H200, e4m3, 32/8/128,
-# graph µs at one wave: 8 programs a SM against 12 at B=1 T=128k 77.2 / 81.7, B=16 T=32k 259.9 / 270.9,
-# B=64 T=8k 271.3 / 277.6, B=1 T=1M 530.2 / 516.9; benchmarks/NOTES.md, nineteenth round); at head dim 256 the
-# same tiles hold twice the bytes (255 registers, 24 KB: eight programs fill an SM's registers)
+# of three stages, eight programs per SM (142-144 registers with the keys as the mma rows, up to 8 rows; 184-195
+# with 16; 12 KB of shared memory; H200, e4m3, 32/8/128, graph µs at one wave: 8 programs a SM against 12 at B=1
+# T=128k 77.2 / 81.7, B=16 T=32k 259.9 / 270.9, B=64 T=8k 271.3 / 277.6, B=1 T=1M 530.2 / 516.9;
+# benchmarks/NOTES.md, nineteenth round; again with the keys as the rows, twenty-sixth round: 12 level or slower);
+# at head dim 256 the same tiles hold twice the bytes (237-242 registers up to 8 rows, 255 above, 24 KB)
 FP8_ONE_WARP = DecodeConfig(16, 1, 3, programs=8, warp_rows=16)
-# ... in 32-key tiles (202-226 registers, 24 KB; still eight per SM) for splits of more than LONG_SPLIT_KEYS
-# positions: H200, e4m3, 32/8/128, graph µs, ABBA in one process: B=1 T=1M (7944 a split) 496.0-498.1 against
-# 555.1-568.3 in 16-key tiles; B=1 T=128k (1008) 77.2 against 75.5-75.8, B=64 T=8k (4096) 260.6-261.3 against
-# 257.7-258.8, B=16 T=32k (4096) level (benchmarks/NOTES.md, nineteenth round)
+# ... in 32-key tiles (168 registers up to 8 rows, 225-227 above, 24 KB; still eight per SM) for splits of more
+# than LONG_SPLIT_KEYS positions: H200, e4m3, 32/8/128, graph µs, ABBA in one process: B=1 T=1M (7944 a split)
+# 496.0-498.1 against 555.1-568.3 in 16-key tiles; B=1 T=128k (1008) 77.2 against 75.5-75.8, B=64 T=8k (4096)
+# 260.6-261.3 against 257.7-258.8, B=16 T=32k (4096) level (benchmarks/NOTES.md, nineteenth round)
 FP8_ONE_WARP_LONG = DecodeConfig(32, 1, 3, programs=8, warp_rows=16)
 LONG_SPLIT_KEYS = 4096
 # ... in 32-key tiles at four programs per SM (the same kernel as FP8_ONE_WARP_LONG, half the splits, each
