@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from cp_attention.heuristics import (FOUR_PER_SM, FP8_ONE_WARP, FP8_ONE_WARP_FEW, FP8_ONE_WARP_LONG, FP8_ROWS_32,
-                                      FP8_TABLE_LOOP, FP8_TWO_WARPS, ONE_WARP_KEYS_PER_ROW, ONE_WARP_PLAN_ROWS_256, REFERENCE_SMS, WIDE_FP8,
-                                      WIDE_FP8_TABLE_LOOP, WIDE_HEADS, WIDE_PAGES, DecodeConfig, DecodePlan,
-                                      PrefixConfig, decode_config, decode_plan, num_sms, num_splits, prefix_config, prefix_num_splits,
-                                      one_warp_fp8, one_warp_plan, prefix_plan)
+                                      FP8_TABLE_LOOP, FP8_TWO_WARPS, ONE_WARP_KEYS_PER_ROW, ONE_WARP_PLAN_ROWS_256,
+                                      REFERENCE_SMS, WIDE_FP8, WIDE_FP8_TABLE_LOOP, WIDE_HEADS, WIDE_PAGES,
+                                      DecodeConfig, DecodePlan, PrefixConfig, decode_config, decode_plan, num_sms,
+                                      num_splits, prefix_config, prefix_num_splits, one_warp_fp8, one_warp_plan,
+                                      prefix_plan)
 from cp_attention.ops.split_kv import kernel_rows
 
 
