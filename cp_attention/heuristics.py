@@ -97,12 +97,12 @@ def one_warp_fp8(device: torch.device, kv_dtype: torch.dtype, head_dim: int, row
     """Whether a decode runs the one-warp FP8 kernel (``ops/split_kv_fp8.py``, Note [One-warp FP8 tiles]),
     planned with :func:`one_warp_plan`: an FP8 cache of head dim 128 or 256 and more than 512 positions, dense or in
     pages of any size (``page_size``; 0: dense), at most :data:`ONE_WARP_MAX_ROWS` query rows per KV head
-    (:data:`ONE_WARP_MAX_ROWS_256` at head dim 256)
-    (query rows x GQA group: a warp for each 16, :func:`one_warp_plan`), on a CUDA device of compute capability
-    9.x (the sm_90 kernel it was written and measured for; a Gluon kernel has no interpreter path), unless the
-    environment sets ``CP_ATTENTION_ONE_WARP=0`` (read once per device). ``plain``: no deterministic splits and
-    no given plan (which the Triton kernel keeps); windows, softcaps, sinks and row limits run here too.
-    The plan may still refuse the call (:func:`one_warp_plan`: splits of too few keys a row).
+    (:data:`ONE_WARP_MAX_ROWS_256` at head dim 256; query rows x GQA group: a warp for each 16,
+    :func:`one_warp_plan`), on a CUDA device of compute capability 9.x (the sm_90 kernel it was written and measured
+    for; a Gluon kernel has no interpreter path), unless the environment sets ``CP_ATTENTION_ONE_WARP=0`` (read once
+    per device). ``plain``: no deterministic splits and no given plan (which the Triton kernel keeps); windows,
+    softcaps, sinks and row limits run here too. The plan may still refuse the call (:func:`one_warp_plan`: splits
+    of too few keys a row).
 
     >>> one_warp_fp8(torch.device("cpu"), torch.float8_e4m3fn, 128, 4, 131072, True)
     False
@@ -127,19 +127,20 @@ def one_warp_plan(batch: int, num_kv_heads: int, t_max: int, num_sms: int, split
     :data:`LONG_SPLIT_KEYS` positions, and in one wave of :data:`FP8_ONE_WARP_FEW`'s four programs per SM (or
     ``splits``) where it holds at most :data:`FEW_SPLIT_KEYS` (:data:`FEW_SPLIT_KEYS_8_ROWS` for at most 8
     rows). A paged cache (``page_size`` > 0) gets the dense plan's splits, with one block-table entry read a tile
-    where a page holds whole tiles (``page_tiles``: pages of a multiple of 16), else one a key. ``rows``: query rows per KV head (query rows x GQA group). 17-32 rows
-    take :data:`FP8_ROWS_32`'s programs of two warps (16 rows each, one ring), one a split, four per SM, where
-    the pages hold whole 32-key tiles; elsewhere row tiles of 16, a program each, counted in the wave like KV
-    heads (H200, e4m3, 32/8/128, graph µs, two warps / row tiles / the Triton kernel: 20 rows at B=1 T=128k
-    86.4-87.4 / 96.3-99.8 / 115.7-115.9, 32 rows 89.5-90.3 / 93.2-98.6 / 116.6, at B=16 T=32k 335-367 /
-    390-394 / 437 and 350-381 / 388-402 / 443, B=64 T=8k 32 rows 338-378 / 380-393 / 433; benchmarks/NOTES.md,
-    twenty-third round). ``None`` where the splits would hold fewer than :data:`ONE_WARP_KEYS_PER_ROW` keys a row
-    (the Triton kernel's plan then: :func:`decode_plan`). Head dim 256 (``head_dim``) keeps :data:`FP8_ONE_WARP`'s
-    16-key tiles (the bytes of a 32-key tile at 128; 32-key tiles take 48 KB, eight do not fit an SM): H200, e4m3,
-    16/8/256, graph µs, against four programs per SM in 16- or 32-key tiles: B=1 T=128k 138.2-138.4 / 155.1-156.2
-    / 140.5-140.8, B=16 T=32k 504.2-508.0 / 611.6-645.6 / 538.4-567.2, B=64 T=8k 503.5-508.4 / 624.3-657.8 /
-    554.5-613.6, B=4 T=32k 140.4-143.7 / 158.2-162.2 / 142.0-146.6 (benchmarks/NOTES.md, twenty-fifth round).
-    There it plans at most :data:`ONE_WARP_PLAN_ROWS_256` rows (``None`` above: the Triton kernel's plan).
+    where a page holds whole tiles (``page_tiles``: pages of a multiple of 16), else one a key. ``rows``: query rows
+    per KV head (query rows x GQA group). 17-32 rows take :data:`FP8_ROWS_32`'s programs of two warps (16 rows each,
+    one ring), one a split, four per SM, where the pages hold whole 32-key tiles; elsewhere row tiles of 16, a
+    program each, counted in the wave like KV heads (H200, e4m3, 32/8/128, graph µs, two warps / row tiles / the
+    Triton kernel: 20 rows at B=1 T=128k 86.4-87.4 / 96.3-99.8 / 115.7-115.9, 32 rows 89.5-90.3 / 93.2-98.6 / 116.6,
+    at B=16 T=32k 335-367 / 390-394 / 437 and 350-381 / 388-402 / 443, B=64 T=8k 32 rows 338-378 / 380-393 / 433;
+    benchmarks/NOTES.md, twenty-third round). ``None`` where the splits would hold fewer than
+    :data:`ONE_WARP_KEYS_PER_ROW` keys a row (the Triton kernel's plan then: :func:`decode_plan`). Head dim 256
+    (``head_dim``) keeps :data:`FP8_ONE_WARP`'s 16-key tiles (the bytes of a 32-key tile at 128; 32-key tiles take
+    48 KB, eight do not fit an SM): H200, e4m3, 16/8/256, graph µs, against four programs per SM in 16- or 32-key
+    tiles: B=1 T=128k 138.2-138.4 / 155.1-156.2 / 140.5-140.8, B=16 T=32k 504.2-508.0 / 611.6-645.6 / 538.4-567.2,
+    B=64 T=8k 503.5-508.4 / 624.3-657.8 / 554.5-613.6, B=4 T=32k 140.4-143.7 / 158.2-162.2 / 142.0-146.6
+    (benchmarks/NOTES.md, twenty-fifth round). There it plans at most :data:`ONE_WARP_PLAN_ROWS_256` rows (``None``
+    above: the Triton kernel's plan).
 
     >>> [one_warp_plan(1, 8, t, 132)[:3] for t in (131072, 1 << 20)]  # doctest: +NORMALIZE_WHITESPACE
     [(DecodeConfig(block_n=32, num_warps=1, num_stages=3, programs=4, maxnreg=0, warp_rows=16), 66, 63),

@@ -213,8 +213,8 @@ def test_one_warp_fp8_domain_and_plan(monkeypatch):
     CPU or the interpreter), for FP8 caches of head dim 128 or 256 and more than 512 positions, dense or paged,
     read by at most 32 query rows (16 at head dim 256); its plan is one wave of eight one-warp programs per SM (of
     four in 32-key tiles where the eight's splits hold at most 4096 positions, 2048 above 8 rows; at head dim 256
-    always eight in 16-key tiles), the dense cache's splits for a paged one (one table entry a tile where pages hold whole tiles),
-    in 32-key tiles only where pages hold them."""
+    always eight in 16-key tiles), the dense cache's splits for a paged one (one table entry a tile where pages
+    hold whole tiles), in 32-key tiles only where pages hold them."""
     e4m3 = torch.float8_e4m3fn
     assert not one_warp_fp8(torch.device("cpu"), e4m3, 128, 4, 131072, True)
     cuda = torch.device("cuda", 0)

@@ -201,7 +201,8 @@ def _attend_tile(q, b_k, b_v, qk_scale, cap, m_i, l_i, r_i, acc, key0, row_lo, r
         k = gl.permute(k, (3, 4, 5, 6, 7, 1, 2, 8, 0))
     k = gl.reshape(k, [D, BLOCK_N])
     if KEYS_M:
-        s = mma_v2(gl.convert_layout(gl.permute(k, (1, 0)), a_l), q, gl.zeros([BLOCK_N, ROWS_KM], gl.float32, layout=mma))
+        s = mma_v2(gl.convert_layout(gl.permute(k, (1, 0)), a_l), q,
+                   gl.zeros([BLOCK_N, ROWS_KM], gl.float32, layout=mma))
         key_ax: gl.constexpr = 0
     else:
         s = mma_v2(q, gl.convert_layout(k, b_l), gl.zeros([ROWS_1W * W, BLOCK_N], gl.float32, layout=mma))
