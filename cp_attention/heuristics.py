@@ -222,7 +222,8 @@ class DecodeConfig(NamedTuple):
 
 class DecodePlan(NamedTuple):
     """What one :func:`cp_attention.flash_decode` launch runs: the tile config, ``num_splits`` splits of
-    ``tiles_per_split`` tiles each (the last split may be shorter); ``deterministic``: the splits of a
+    ``tiles_per_split`` tiles each (the last split may be shorter; in the one-warp FP8 configs every
+    ``num_splits``-th tile, at most ``tiles_per_split``: Note [Strided splits]); ``deterministic``: the splits of a
     fixed ``split_size``, merged by the separate combine (Note [Deterministic splits] in
     ``ops/split_kv.py``); ``split_pages`` > 0: a paged cache whose block-table entries of a split (at most
     that many) are read into registers before the loop (Note [Paged tiles from registers]); ``streams`` >

@@ -61,9 +61,26 @@ rows, every warp reads the whole tile from the shared ring into its registers (a
 layouts), and the warps exchange one word a tile (the lazy max's any-row test); on smaller pages they run as
 row tiles of one warp, a program each, each reading the split's K/V. (Four warps for 64 rows were 26-33%
 slower than the Triton kernel's 64-row tiles: each warp does a whole tile's work for its rows.) With
-a window or row limits the splits start on a whole tile below the first position any row sees (a tile then
+a window or row limits the tiles start on a whole tile below the first position any row sees (a tile then
 stays within a page), and the tiles that reach below a row's first position are masked like those that
-reach past its last.
+reach past its last. A split is every ``S``-th tile, not a range of them (Note [Strided splits]).
+
+Note [Strided splits]
+---------------------
+Split ``s`` of ``S`` takes tiles ``s, s + S, s + 2 S, ...`` of the keys a call sees, not a range of
+consecutive tiles: at each moment the ``S`` programs of a KV head read neighbouring tiles of one region of the
+cache. The splits are still disjoint sets of keys, each with its own state, merged by the combine in slot
+order; their sizes differ by at most one tile, as the ranges' did, and they cover the keys whatever the plan's
+``tiles_per_split`` (which stays the most tiles a split takes). The kernel never runs ``split_size``'s
+deterministic splits (:func:`cp_attention.heuristics.one_warp_fp8`), whose ranges of absolute positions are the
+contract of batch invariance. Why: with ranges, the programs of an HND cache read places far apart (at B=1
+T=128k 66 splits of 258 KB in each head's 16 MB), while an NHD cache's programs of one split read the eight
+KV heads' bytes of the same tokens together, and NHD ran 1-4% faster than HND (bf16 level). Padding the heads
+off their alignment did not move HND, and rotating each program's tile order slowed NHD by 3-7%: what NHD had
+was reads close together in time and place. H200, e4m3, 32/8/128, graph µs, one process a build, two rounds
+(benchmarks/NOTES.md, twenty-seventh round): B=1 T=128k HND 67.9-68.6 -> 66.1-66.8 (NHD 67.5-67.7 either
+way); B=16 T=32k (4 splits) 243.5-243.7 -> 243.8-244.0; B=1 T=1M (132 splits) 476.2-480.4 -> 475.0-478.6;
+B=64 T=8k is one split.
 
 Note [Keys as the mma rows]
 ---------------------------
@@ -94,7 +111,7 @@ from triton.runtime.jit import constexpr_function
 
 from .split_kv import row_heads
 from ._state import (LN2, add_sink, capped, finalize, first_position, fp16_query, kv_bases, lazy_running_max,
-                     score_scales, split_range, table_entries, take_weights)
+                     score_scales, seq_length, table_entries, take_weights)
 
 # Triton 3.6's names of the cp.async copy and the CTA barrier; later versions call them async_load and
 # barrier (same arguments)
@@ -106,6 +123,13 @@ ROWS_KM = gl.constexpr(8)  # ... with the keys as the rows (Note [Keys as the mm
 # The running max moves (and the state is rescaled) only when a row's max rises by more than this many
 # powers of two; otherwise the weights are taken against the old max, at most 2^LAZY_RESCALE (fp16 holds them)
 LAZY_RESCALE = gl.constexpr(8.0)
+
+
+@gluon.jit
+def _tiles_below(x, i_s, n_sp):
+    """How many of split ``i_s``'s tiles (``i_s, i_s + n_sp, ...`` of the sequence: Note [Strided splits]) lie
+    below its tile ``x``."""
+    return gl.cdiv(gl.maximum(x - i_s, 0), n_sp)
 
 
 @gluon.jit
@@ -232,23 +256,23 @@ def _attend_tile(q, b_k, b_v, qk_scale, cap, m_i, l_i, r_i, acc, key0, row_lo, r
 
 @gluon.jit
 def _next_tile(q, qk_scale, cap, s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt, stride_kp, stride_vp, p_bt,
-               stride_btp, num_pages, page, t_start, t_end, it, row_lo, row_hi, o_key, m_i, l_i, r_i, acc,
+               stride_btp, num_pages, page, t_first, t_step, t_end, it, row_lo, row_hi, o_key, m_i, l_i, r_i, acc,
                MASKED: gl.constexpr, HAS_ROW_LO: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_N: gl.constexpr,
                NUM_STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr, IS_PAGED: gl.constexpr, KEY_PAGES: gl.constexpr,
                k_l: gl.constexpr, v_l: gl.constexpr, W: gl.constexpr, D: gl.constexpr, KEYS_M: gl.constexpr):
-    """Tile ``it`` of the split: start the copy of tile ``it + NUM_STAGES - 1`` (in pool pages ``page`` of a
-    paged cache) into the ring stage that tile ``it - 1`` held, read the block-table entries of the tile after
-    it (returned: their latency hides behind this tile), wait for tile ``it``'s copy and fold it in
-    (:func:`_attend_tile`)."""
-    t_next = t_start + (it + NUM_STAGES - 1) * BLOCK_N
+    """Tile ``it`` of the split (at position ``t_first + it * t_step``: Note [Strided splits]): start the copy of
+    tile ``it + NUM_STAGES - 1`` (in pool pages ``page`` of a paged cache) into the ring stage that tile ``it - 1``
+    held, read the block-table entries of the tile after it (returned: their latency hides behind this tile), wait
+    for tile ``it``'s copy and fold it in (:func:`_attend_tile`)."""
+    t_next = t_first + (it + NUM_STAGES - 1) * t_step
     _barrier()  # every lane is done with the stage the next copy overwrites
     _issue_tile(s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt, stride_kp, stride_vp, t_next, page, t_end,
                 (it + NUM_STAGES - 1) % NUM_STAGES, BLOCK_N, PAGE_SIZE, IS_PAGED, KEY_PAGES)
-    page = _page_of(p_bt, stride_btp, t_next + BLOCK_N, o_ck, t_end, num_pages, PAGE_SIZE, IS_PAGED, KEY_PAGES)
+    page = _page_of(p_bt, stride_btp, t_next + t_step, o_ck, t_end, num_pages, PAGE_SIZE, IS_PAGED, KEY_PAGES)
     async_copy.wait_group(NUM_STAGES - 1)
     _barrier()
     m_i, l_i, r_i, acc = _attend_tile(q, s_k.index(it % NUM_STAGES).load(k_l), s_v.index(it % NUM_STAGES).load(v_l),
-                                      qk_scale, cap, m_i, l_i, r_i, acc, t_start + it * BLOCK_N, row_lo, row_hi, o_key,
+                                      qk_scale, cap, m_i, l_i, r_i, acc, t_first + it * t_step, row_lo, row_hi, o_key,
                                       MASKED, HAS_ROW_LO, SOFTCAP, BLOCK_N, W, D, KEYS_M)
     return m_i, l_i, r_i, acc, page
 
@@ -311,12 +335,16 @@ def _split_kv_fp8_kernel(
     i_rt = i_p % N_RT
     i_b64 = (i_bh // HKV).to(gl.int64)
     i_h64 = (i_bh % HKV).to(gl.int64)
-    # The splits tile the keys any row may see from the lowest one (as split_kv._split_kv_kernel), here rounded
-    # down to a whole tile so that a tile stays within a page; the keys below a row's first are masked.
+    # The tiles cover the keys any row may see from the lowest one (as split_kv._split_kv_kernel), here rounded
+    # down to a whole tile so that a tile stays within a page; the keys below a row's first are masked. Split
+    # i_s of n_sp takes tiles i_s, i_s + n_sp, ... of them (Note [Strided splits])
     base = first_position(ROW_LIMITS, stride_rlb, SEQ_LENS, stride_sl, i_b64, T_MAX, WINDOW, Q_ROWS, HAS_SEQ_LENS,
                           HAS_ROW_LIMITS, HAS_WINDOW) // BLOCK_N * BLOCK_N
-    seq_len, _, t_start, t_end = split_range(SEQ_LENS, stride_sl, i_b64, i_s, T_MAX, TILES_PER_SPLIT, BLOCK_N,
-                                             HAS_SEQ_LENS, base)
+    seq_len = seq_length(SEQ_LENS, stride_sl, i_b64, T_MAX, HAS_SEQ_LENS)
+    t_end = seq_len
+    n_sp = gl.num_programs(1)
+    t_first = base + i_s * BLOCK_N
+    t_step = n_sp * BLOCK_N
 
     o_ck = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, cp_l))
     o_cd = gl.arange(0, D, layout=gl.SliceLayout(0, cp_l))
@@ -337,11 +365,11 @@ def _split_kv_fp8_kernel(
 
     # the first tiles' copies go out before the query's load (independent)
     for i in gl.static_range(NUM_STAGES - 1):
-        t_i = t_start + i * BLOCK_N
+        t_i = t_first + i * t_step
         _issue_tile(s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt, stride_kb, stride_vb, t_i,
                     _page_of(p_bt, stride_btp, t_i, o_ck, t_end, NUM_PAGES, PAGE_SIZE, IS_PAGED, KEY_PAGES), t_end, i,
                     BLOCK_N, PAGE_SIZE, IS_PAGED, KEY_PAGES)
-    page = _page_of(p_bt, stride_btp, t_start + (NUM_STAGES - 1) * BLOCK_N, o_ck, t_end, NUM_PAGES, PAGE_SIZE,
+    page = _page_of(p_bt, stride_btp, t_first + (NUM_STAGES - 1) * t_step, o_ck, t_end, NUM_PAGES, PAGE_SIZE,
                     IS_PAGED, KEY_PAGES)
 
     # the query rows of row tile i_rt (row r: token r // G, head h G + r % G, as split_kv.row_heads), head dim in
@@ -362,7 +390,7 @@ def _split_kv_fp8_kernel(
     if Q.dtype.element_ty == gl.bfloat16:  # a scale per row, beside the scores'
         qk_scale = gl.convert_layout(qk_scale, mma)
 
-    # Each row's keys: [row_lo, row_hi) within the split (split_kv._split_kv_kernel's rule)
+    # Each row's keys: [row_lo, row_hi) (split_kv._split_kv_kernel's rule)
     o_r = gl.arange(0, M, layout=row_l)
     o_rg = i_rt * M + o_r  # the rows among the KV head's
     m_row = o_rg < ROWS
@@ -381,12 +409,14 @@ def _split_kv_fp8_kernel(
         row_lo = seq_len - Q_ROWS + o_tok - WINDOW
     elif not HAS_ROW_LIMITS:
         row_lo = row_hi  # unused
-    # tiles [0, n_lo) reach below a row's first key, [n_full, n_tiles) past a row's end; the rest are unmasked
-    n_tiles = gl.cdiv(t_end - t_start, BLOCK_N)
-    n_full = gl.maximum(gl.min(gl.where(m_row, row_hi, t_end), 0) - t_start, 0) // BLOCK_N
+    # the split's tiles [0, n_lo) reach below a row's first key, [n_full, n_tiles) past a row's end (none past
+    # every row's); the rest are unmasked (each count: the split's tiles below a tile of the sequence)
+    n_tiles = _tiles_below(gl.cdiv(gl.maximum(gl.max(gl.where(m_row, row_hi, base), 0) - base, 0), BLOCK_N), i_s,
+                           n_sp)
+    n_full = _tiles_below(gl.maximum(gl.min(gl.where(m_row, row_hi, t_end), 0) - base, 0) // BLOCK_N, i_s, n_sp)
     if HAS_ROW_LO:
-        n_lo = gl.minimum(gl.cdiv(gl.maximum(gl.max(gl.where(m_row, row_lo, t_start), 0) - t_start, 0), BLOCK_N),
-                          gl.maximum(n_tiles, 0))  # (n_tiles < 0: a split past the end)
+        n_lo = gl.minimum(_tiles_below(gl.cdiv(gl.maximum(gl.max(gl.where(m_row, row_lo, base), 0) - base, 0),
+                                               BLOCK_N), i_s, n_sp), n_tiles)
         n_full = gl.maximum(n_full, n_lo)
     else:
         n_lo = 0
@@ -401,20 +431,20 @@ def _split_kv_fp8_kernel(
     if HAS_ROW_LO:
         for it in range(0, n_lo):
             m_i, l_i, r_i, acc, page = _next_tile(q, qk_scale, cap, s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt,
-                                                  stride_kb, stride_vb, p_bt, stride_btp, NUM_PAGES, page, t_start,
-                                                  t_end, it, row_lo, row_hi, o_key, m_i, l_i, r_i, acc, True,
+                                                  stride_kb, stride_vb, p_bt, stride_btp, NUM_PAGES, page, t_first,
+                                                  t_step, t_end, it, row_lo, row_hi, o_key, m_i, l_i, r_i, acc, True,
                                                   HAS_ROW_LO, SOFTCAP, BLOCK_N, NUM_STAGES, PAGE_SIZE, IS_PAGED,
                                                   KEY_PAGES, k_l, v_l, W, D, KEYS_M)
     for it in range(n_lo, n_full):
         m_i, l_i, r_i, acc, page = _next_tile(q, qk_scale, cap, s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt,
-                                              stride_kb, stride_vb, p_bt, stride_btp, NUM_PAGES, page, t_start, t_end,
-                                              it, row_lo, row_hi, o_key, m_i, l_i, r_i, acc, False, HAS_ROW_LO,
+                                              stride_kb, stride_vb, p_bt, stride_btp, NUM_PAGES, page, t_first, t_step,
+                                              t_end, it, row_lo, row_hi, o_key, m_i, l_i, r_i, acc, False, HAS_ROW_LO,
                                               SOFTCAP, BLOCK_N, NUM_STAGES, PAGE_SIZE, IS_PAGED, KEY_PAGES, k_l, v_l, W,
                                               D, KEYS_M)
     for it in range(n_full, n_tiles):  # the tiles that reach a row's last key
         m_i, l_i, r_i, acc, page = _next_tile(q, qk_scale, cap, s_k, s_v, p_k, p_v, o_ck, stride_kt, stride_vt,
-                                              stride_kb, stride_vb, p_bt, stride_btp, NUM_PAGES, page, t_start, t_end,
-                                              it, row_lo, row_hi, o_key, m_i, l_i, r_i, acc, True, HAS_ROW_LO,
+                                              stride_kb, stride_vb, p_bt, stride_btp, NUM_PAGES, page, t_first, t_step,
+                                              t_end, it, row_lo, row_hi, o_key, m_i, l_i, r_i, acc, True, HAS_ROW_LO,
                                               SOFTCAP, BLOCK_N, NUM_STAGES, PAGE_SIZE, IS_PAGED, KEY_PAGES, k_l, v_l, W,
                                               D, KEYS_M)
     async_copy.wait_group(0)
