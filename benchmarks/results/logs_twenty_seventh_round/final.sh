@@ -1,7 +1,7 @@
 #!/bin/bash
 # The round's final GPU run, in a clean clone (the caller's working directory): the FP8 bar, the D=128 FP8 pools,
-# the head-dim-256 table, the FP8 variants, then the GPU tests of FP8, the one-warp kernel and the plans; the
-# results and logs come back as one tar file.
+# the head-dim-256 table, then `make test` (VARIANTS=1: the FP8 variants first); the results and logs come back as
+# one tar file.
 set -u
 python3 -m pip install -q --no-index --no-deps --target /tmp/cpa_site ../.fi/*.whl > /dev/null 2>&1
 export CUDA_HOME=/usr/local/cuda FLASHINFER_WORKSPACE_BASE=/tmp PYTHONPATH=/tmp/cpa_site:.
@@ -12,9 +12,14 @@ timeout 120 python3 benchmarks/bench_decode.py --impls cp_attention cp_attention
 grep -A6 "cp8/cp graph" "$L/bench_fp8_$tag.txt"
 timeout 200 python3 benchmarks/bench_paged.py --sections fp8 --name bench_paged_fp8 > "$L/bench_paged_fp8_$tag.txt" 2>&1; echo "fp8 pools rc $?"
 timeout 200 python3 benchmarks/bench_paged.py --sections d256 --name bench_paged_d256 > "$L/bench_paged_d256_$tag.txt" 2>&1; echo "d256 rc $?"
-timeout 120 python3 benchmarks/bench_fp8_variants.py > "$L/bench_fp8_variants_$tag.txt" 2>&1; echo "variants rc $?"
-timeout 150 python3 -m pytest -q -n 8 tests/test_gpu.py tests/test_heuristics.py tests/test_fp8.py -k "one_warp or fp8 or plan or head_dim_256" > "$L/gpu_subset_$tag.txt" 2>&1; echo "tests rc $?"
-tail -2 "$L/gpu_subset_$tag.txt"
-cp benchmarks/results/bench_fp8.* benchmarks/results/bench_paged_fp8.* benchmarks/results/bench_paged_d256.* benchmarks/results/bench_fp8_variants.* $L/
-tar -C $L -cf "$OUT/final_$tag.tar" .
+if [ "${VARIANTS:-0}" = 1 ]; then
+  timeout 120 python3 benchmarks/bench_fp8_variants.py > "$L/bench_fp8_variants_$tag.txt" 2>&1; echo "variants rc $?"
+  cp benchmarks/results/bench_fp8_variants.* $L/
+fi
+cp benchmarks/results/bench_fp8.* benchmarks/results/bench_paged_fp8.* benchmarks/results/bench_paged_d256.* $L/
 for f in $L/bench_paged_fp8_$tag.txt $L/bench_paged_d256_$tag.txt; do tail -6 $f; done
+tar -C $L -cf "$OUT/final_$tag.tar" .
+timeout 330 make test > "$L/make_test_$tag.txt" 2>&1; echo "make test rc $?"
+tail -3 "$L/make_test_$tag.txt"
+grep -E "FAILED|ERROR" "$L/make_test_$tag.txt" | head -20
+tar -C $L -cf "$OUT/final_$tag.tar" .
