@@ -63,24 +63,29 @@ row tiles of one warp, a program each, each reading the split's K/V. (Four warps
 slower than the Triton kernel's 64-row tiles: each warp does a whole tile's work for its rows.) With
 a window or row limits the tiles start on a whole tile below the first position any row sees (a tile then
 stays within a page), and the tiles that reach below a row's first position are masked like those that
-reach past its last. A split is every ``S``-th tile, not a range of them (Note [Strided splits]).
+reach past its last. A split of a dense cache is every ``S``-th tile, not a range of them (Note [Strided
+splits]).
 
 Note [Strided splits]
 ---------------------
-Split ``s`` of ``S`` takes tiles ``s, s + S, s + 2 S, ...`` of the keys a call sees, not a range of
-consecutive tiles: at each moment the ``S`` programs of a KV head read neighbouring tiles of one region of the
-cache. The splits are still disjoint sets of keys, each with its own state, merged by the combine in slot
-order; their sizes differ by at most one tile, as the ranges' did, and they cover the keys whatever the plan's
-``tiles_per_split`` (which stays the most tiles a split takes). The kernel never runs ``split_size``'s
-deterministic splits (:func:`cp_attention.heuristics.one_warp_fp8`), whose ranges of absolute positions are the
-contract of batch invariance. Why: with ranges, the programs of an HND cache read places far apart (at B=1
-T=128k 66 splits of 258 KB in each head's 16 MB), while an NHD cache's programs of one split read the eight
-KV heads' bytes of the same tokens together, and NHD ran 1-4% faster than HND (bf16 level). Padding the heads
-off their alignment did not move HND, and rotating each program's tile order slowed NHD by 3-7%: what NHD had
-was reads close together in time and place. H200, e4m3, 32/8/128, graph µs, one process a build, two rounds
-(benchmarks/NOTES.md, twenty-seventh round): B=1 T=128k HND 67.9-68.6 -> 66.1-66.8 (NHD 67.5-67.7 either
-way); B=16 T=32k (4 splits) 243.5-243.7 -> 243.8-244.0; B=1 T=1M (132 splits) 476.2-480.4 -> 475.0-478.6;
-B=64 T=8k is one split.
+On a dense cache split ``s`` of ``S`` takes tiles ``s, s + S, s + 2 S, ...`` of the keys a call sees, not a
+range of consecutive tiles: at each moment the ``S`` programs of a KV head read neighbouring tiles of one region
+of the cache. The splits are still disjoint sets of keys, each with its own state, merged by the combine in slot
+order; their sizes differ by at most one tile, as the ranges' did (at most the plan's ``tiles_per_split``). The
+kernel never runs ``split_size``'s deterministic splits (:func:`cp_attention.heuristics.one_warp_fp8`), whose
+ranges of absolute positions are the contract of batch invariance. Why: with ranges, the programs of an HND cache
+read places far apart (at B=1 T=128k 66 splits of 258 KB in each head's 16 MB), while an NHD cache's programs of
+one split read the eight KV heads' bytes of the same tokens together, and NHD ran 1-4% faster than HND (bf16
+level). Padding the heads off their alignment did not move HND, and rotating each program's tile order slowed
+NHD by 3-7%: what NHD had was reads close together in time and place. H200, e4m3, 32/8/128, graph µs, one
+process a build, two rounds (benchmarks/NOTES.md, twenty-seventh round): B=1 T=128k HND 67.9-68.6 -> 66.1-66.8
+(NHD 67.5-67.7 either way); B=16 T=32k (4 splits) 243.5-243.7 -> 243.8-244.0; B=1 T=1M (132 splits)
+476.2-480.4 -> 475.0-478.6; B=64 T=8k is one split.
+Page pools keep the ranges: there each tile's block-table entry is read a tile ahead of its copy, and strided
+splits read each entry from another cache line, a round trip that one tile ahead does not hide (NHD pools in
+sequence order, ranges then strided, one run each on two H200s whose bf16 times differ by 2%: B=1 T=128k pages
+of 16 68.8 -> 80.2, of 64 68.1 -> 85.8; B=16 T=32k pages of 16 243.6 -> 307.9; B=1 T=1M pages of 16 475.0 ->
+576.6).
 
 Note [Keys as the mma rows]
 ---------------------------
@@ -126,10 +131,10 @@ LAZY_RESCALE = gl.constexpr(8.0)
 
 
 @gluon.jit
-def _tiles_below(x, i_s, n_sp):
-    """How many of split ``i_s``'s tiles (``i_s, i_s + n_sp, ...`` of the sequence: Note [Strided splits]) lie
-    below its tile ``x``."""
-    return gl.cdiv(gl.maximum(x - i_s, 0), n_sp)
+def _tiles_below(x, t0, step, TILES_PER_SPLIT):
+    """How many of a split's tiles (``t0, t0 + step, ...`` of the sequence, at most ``TILES_PER_SPLIT``: Note
+    [Strided splits]) lie below its tile ``x``."""
+    return gl.minimum(gl.cdiv(gl.maximum(x - t0, 0), step), TILES_PER_SPLIT)
 
 
 @gluon.jit
@@ -297,7 +302,7 @@ def _split_kv_fp8_kernel(
 ):
     """Split-KV decode over an FP8 cache (dense or paged), one warp a program (Note [One-warp FP8 tiles]); arguments
     and outputs as ``split_kv._split_kv_kernel`` (Note [Split-KV decode]), plus ``NUM_STAGES`` K/V tiles in
-    the ``cp.async`` ring."""
+    the ``cp.async`` ring; a dense cache's splits are strided over the tiles (Note [Strided splits])."""
     gl.static_assert((HEAD_DIM == 128 or HEAD_DIM == 256) and BLOCK_D == HEAD_DIM and BLOCK_H % ROWS_1W == 0)
     W: gl.constexpr = BLOCK_H // ROWS_1W  # warps: 16 rows each, one ring
     gl.static_assert(gl.num_warps() == W)
@@ -337,14 +342,21 @@ def _split_kv_fp8_kernel(
     i_h64 = (i_bh % HKV).to(gl.int64)
     # The tiles cover the keys any row may see from the lowest one (as split_kv._split_kv_kernel), here rounded
     # down to a whole tile so that a tile stays within a page; the keys below a row's first are masked. Split
-    # i_s of n_sp takes tiles i_s, i_s + n_sp, ... of them (Note [Strided splits])
+    # i_s takes tiles t0, t0 + step, ... of them: of a dense cache every n_sp-th from i_s, of a paged one the
+    # range from i_s TILES_PER_SPLIT (Note [Strided splits]), whose end (t_end) bounds its copies
     base = first_position(ROW_LIMITS, stride_rlb, SEQ_LENS, stride_sl, i_b64, T_MAX, WINDOW, Q_ROWS, HAS_SEQ_LENS,
                           HAS_ROW_LIMITS, HAS_WINDOW) // BLOCK_N * BLOCK_N
     seq_len = seq_length(SEQ_LENS, stride_sl, i_b64, T_MAX, HAS_SEQ_LENS)
-    t_end = seq_len
-    n_sp = gl.num_programs(1)
-    t_first = base + i_s * BLOCK_N
-    t_step = n_sp * BLOCK_N
+    if IS_PAGED:
+        t0 = i_s * TILES_PER_SPLIT
+        step = 1
+        t_end = gl.minimum(base + (t0 + TILES_PER_SPLIT) * BLOCK_N, seq_len)
+    else:
+        t0 = i_s
+        step = gl.num_programs(1)
+        t_end = seq_len
+    t_first = base + t0 * BLOCK_N
+    t_step = step * BLOCK_N
 
     o_ck = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, cp_l))
     o_cd = gl.arange(0, D, layout=gl.SliceLayout(0, cp_l))
@@ -411,12 +423,13 @@ def _split_kv_fp8_kernel(
         row_lo = row_hi  # unused
     # the split's tiles [0, n_lo) reach below a row's first key, [n_full, n_tiles) past a row's end (none past
     # every row's); the rest are unmasked (each count: the split's tiles below a tile of the sequence)
-    n_tiles = _tiles_below(gl.cdiv(gl.maximum(gl.max(gl.where(m_row, row_hi, base), 0) - base, 0), BLOCK_N), i_s,
-                           n_sp)
-    n_full = _tiles_below(gl.maximum(gl.min(gl.where(m_row, row_hi, t_end), 0) - base, 0) // BLOCK_N, i_s, n_sp)
+    n_tiles = _tiles_below(gl.cdiv(gl.maximum(gl.max(gl.where(m_row, row_hi, base), 0) - base, 0), BLOCK_N), t0,
+                           step, TILES_PER_SPLIT)
+    n_full = _tiles_below(gl.maximum(gl.min(gl.where(m_row, row_hi, t_end), 0) - base, 0) // BLOCK_N, t0, step,
+                          TILES_PER_SPLIT)
     if HAS_ROW_LO:
         n_lo = gl.minimum(_tiles_below(gl.cdiv(gl.maximum(gl.max(gl.where(m_row, row_lo, base), 0) - base, 0),
-                                               BLOCK_N), i_s, n_sp), n_tiles)
+                                               BLOCK_N), t0, step, TILES_PER_SPLIT), n_tiles)
         n_full = gl.maximum(n_full, n_lo)
     else:
         n_lo = 0
