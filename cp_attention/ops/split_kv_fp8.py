@@ -82,7 +82,7 @@ process a build, two rounds (benchmarks/NOTES.md, twenty-seventh round): B=1 T=1
 (NHD 67.5-67.7 either way); B=16 T=32k (4 splits) 243.5-243.7 -> 243.8-244.0; B=1 T=1M (132 splits)
 476.2-480.4 -> 475.0-478.6; B=64 T=8k is one split.
 Page pools keep the ranges: there each tile's block-table entry is read a tile ahead of its copy, and strided
-splits read each entry from another cache line, a round trip that one tile ahead does not hide (NHD pools in
+splits read each entry from another cache line, likely a round trip that one tile ahead does not hide (NHD pools in
 sequence order, ranges then strided, one run each on two H200s whose bf16 times differ by 2%: B=1 T=128k pages
 of 16 68.8 -> 80.2, of 64 68.1 -> 85.8; B=16 T=32k pages of 16 243.6 -> 307.9; B=1 T=1M pages of 16 475.0 ->
 576.6).
