@@ -75,11 +75,11 @@ def main():
             kw["sinks"] = torch.linspace(-1.0, 1.0, HQ, device="cuda")
         if kw.pop("row_limits", False):  # each row's [first, end): the causal rule, as a rank holding every position
             end = t - q_rows + 1 + torch.arange(q_rows, device="cuda")
-            kw["_row_limits"] = torch.stack([torch.zeros_like(end), end], -1).expand(b, q_rows, 2).int().contiguous()
+            kw["row_limits"] = torch.stack([torch.zeros_like(end), end], -1).expand(b, q_rows, 2).int().contiguous()
         rows_kv = q_rows * HQ // HKV
         reach = t if "window_left" not in kw else min(t, WINDOW + q_rows)
         plan = decode_plan(b, HKV, reach, D, DT, num_sms(q.device), kv_dtype=torch.float8_e4m3fn,
-                           aligned="window_left" not in kw and "_row_limits" not in kw, rows=rows_kv)
+                           aligned="window_left" not in kw and "row_limits" not in kw, rows=rows_kv)
         # the policy's kernel: a window's (or row limits') splits start a tile below the first key
         one_warp = (one_warp_fp8(q.device, torch.float8_e4m3fn, D, rows_kv, reach, True)
                     and one_warp_plan(b, HKV, min(t, reach + FP8_ONE_WARP_LONG.block_n - 1), num_sms(q.device),

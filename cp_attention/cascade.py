@@ -279,7 +279,7 @@ def _cascade_triton(q, work, last, scale, scales, softcap, sinks, fixed_splits, 
             layout, k_scale, v_scale, _ = _level_args(lvl, scales)
             limits = _all_visible(q, lv.t_max) if q_rows > 1 and lv is not last else None
             flash_decode(q, lvl.k, lvl.v, lvl.seq_lens, block_table=lvl.block_table, kv_layout=layout,
-                         sm_scale=scale, k_scale=k_scale, v_scale=v_scale, logit_softcap=softcap, _row_limits=limits,
+                         sm_scale=scale, k_scale=k_scale, v_scale=v_scale, logit_softcap=softcap, row_limits=limits,
                          out=AttentionState(o_all[slot].view(q.shape), lse_all[slot].view(q.shape[:-1])))
     if side is not None:
         torch.cuda.current_stream(q.device).wait_stream(side)  # the join, before the merge

@@ -117,6 +117,8 @@ def check_decode_args(q, k, v, seq_lens, *, block_table=None, num_splits=None, k
         check_tensor("row_limits", row_limits, dtypes=INDEX_DTYPES, ndim=3, device=q.device)
         if tuple(row_limits.shape) != (b, q_rows, 2):
             raise ValueError(f"row_limits must have shape [{b}, {q_rows}, 2], got {tuple(row_limits.shape)}")
+        if window_left is not None:
+            raise ValueError("window_left must be None with row_limits (the limits fix every row's positions)")
     check_variants(window_left, logit_softcap, sinks, hq, q.device)
     if num_splits is not None:
         if not isinstance(num_splits, numbers.Integral) or isinstance(num_splits, bool):
@@ -334,7 +336,7 @@ def _rare_key(block_table, k_scale, v_scale, window_left, logit_softcap, sinks, 
 
 def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num_splits=None, kv_layout="HND",
                  split_size=None, k_scale=None, v_scale=None, window_left=None, logit_softcap=None, sinks=None,
-                 return_lse=False, out=None, plan=None, _row_limits=None, _span=None, _export=None):
+                 return_lse=False, out=None, plan=None, row_limits=None, _span=None, _export=None):
     """Exact decode attention over a KV cache, dense or paged, for one or a few new tokens per request
     (Flash-Decoding, one launch).
 
@@ -384,6 +386,10 @@ def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num
             ``AttentionState(o, lse of shape q.shape[:-1] float32)``; any strides. Then no output is
             allocated.
         plan: a :class:`cp_attention.heuristics.DecodePlan` to run instead of the policy's.
+        row_limits: ``[B, Q, 2]`` int32/int64 on q's device (``Q = 1`` for a 3-dim ``q``): row ``i`` of
+            request ``b`` sees exactly the cache positions ``row_limits[b, i, 0] <= p < row_limits[b, i, 1]``
+            (and ``p < seq_lens[b]``) instead of the causal rule; for callers that place keys themselves
+            (a context-parallel shard, a left-padded batch). Not with ``window_left``.
 
     Returns:
         ``o`` of q's shape in q's dtype (or ``out``'s), or ``AttentionState(o, lse of shape q.shape[:-1]
@@ -418,9 +424,9 @@ def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num
                    v.shape, v.stride(), v.dtype, v.device, vp & 15, kv_layout, sl_key, out_key)
             if not (block_table is None and k_scale is None and v_scale is None and window_left is None
                     and logit_softcap is None and sinks is None and plan is None and num_splits is None
-                    and split_size is None and _row_limits is None and _span is None and _export is None):
+                    and split_size is None and row_limits is None and _span is None and _export is None):
                 key = (key, _rare_key(block_table, k_scale, v_scale, window_left, logit_softcap, sinks, plan,
-                                      num_splits, split_size, _row_limits, _span, _export))
+                                      num_splits, split_size, row_limits, _span, _export))
             last = _LAST
             if key == last[0]:
                 prep = last[1]
@@ -432,7 +438,7 @@ def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num
             key = prep = None
     if prep is None or prep.cuda is None:
         return _checked_call(q, k, v, seq_lens, block_table, sm_scale, num_splits, kv_layout, split_size, k_scale,
-                             v_scale, window_left, logit_softcap, sinks, return_lse, out, plan, _row_limits, _span,
+                             v_scale, window_left, logit_softcap, sinks, return_lse, out, plan, row_limits, _span,
                              _export, key, prep)
 
     # A CUDA call whose key a validated call prepared: only what the key does not fix is checked.
@@ -476,7 +482,7 @@ def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num
             lsep = lse_out.data_ptr()
         sinkp = qp if sinks is None else sinks.data_ptr()
         prep.launcher.launch_ptrs(stream, (qp, kp, vp, slp, qp if block_table is None else block_table.data_ptr(),
-                                           qp if _row_limits is None else _row_limits.data_ptr(), kscp, vscp, sinkp,
+                                           qp if row_limits is None else row_limits.data_ptr(), kscp, vscp, sinkp,
                                            op, lsep, wp, scale, ks, vs, cap))
         if prep.combine is not None and _export is None:
             prep.combine.launch_ptrs(stream, (wp, sinkp, op, lsep))

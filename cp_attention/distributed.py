@@ -300,7 +300,7 @@ def _cp_decode(q, k_shard, v_shard, seq_lens_shard, *, group, check_metadata, ro
     if kwargs.get("split_size") is not None:
         return _cp_decode_deterministic(q, k_shard, v_shard, seq_lens_shard, group, return_lse, sinks, kwargs)
     return _exchange(q, lambda o, lse, _: flash_decode(q, k_shard, v_shard, seq_lens_shard, out=AttentionState(o, lse),
-                                                       _row_limits=row_limits, _span=span, **kwargs),
+                                                       row_limits=row_limits, _span=span, **kwargs),
                      group=group, return_lse=return_lse, sinks=sinks)
 
 

@@ -374,7 +374,7 @@ def test_one_warp_kernel_takes_windows_row_limits_and_row_tiles(monkeypatch):
         kw = dict(window_left=window, split_size=split_size, logit_softcap=softcap,
                   sinks=torch.zeros(hkv * group, device=DEVICE) if sinks else None)
         if limits:
-            kw["_row_limits"] = torch.tensor([[[5, 1200], [41, 5999]] + [[41, 6000]] * (q_rows - 2)] * b,
+            kw["row_limits"] = torch.tensor([[[5, 1200], [41, 5999]] + [[41, 6000]] * (q_rows - 2)] * b,
                                              dtype=torch.int32, device=DEVICE)
         if page:  # pools of the cache's pages in order: [pages, Hkv, page, D]
             k8, v8 = (x.view(b, hkv, t // page, page, d).transpose(1, 2).reshape(-1, hkv, page, d) for x in (k8, v8))

@@ -749,7 +749,7 @@ def test_one_warp_fp8_variants_against_the_dequantised_oracle(monkeypatch, name,
         first = torch.sort(torch.randint(0, 2100, (b, q_rows), device="cuda"), dim=1).values
         end = first + torch.randint(-50, 3000, (b, q_rows), device="cuda")
         rl = torch.stack([first, end], -1).int()
-        kw["_row_limits"], ref_kw["row_limits"] = rl, rl
+        kw["row_limits"], ref_kw["row_limits"] = rl, rl
     ref = attention(q.double(), kd, vd, sl, **ref_kw)
     if page:
         kc, vc, table = shuffled_nhd_pools(k8, v8, page, layout)
