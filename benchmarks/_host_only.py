@@ -90,7 +90,7 @@ def profile(fn, calls: int, top: int = 15) -> list[dict]:
 STAGES = [
     ("key + lookup", "\n    global _LAST\n"),
     ("scalar checks", "\n    # A CUDA call whose key a validated call prepared"),
-    ("output (allocation)", "\n    if out is None:\n        o = _dispatch.new_like"),
+    ("output (allocation)", "\n    if out is None:\n        o = _device.new_like"),
     ("stream + scratch", "\n    stream = torch._C._cuda_getCurrentRawStream(prep.cuda)\n"),
     ("launch (pointers, launcher)", "\n    if prep.launches:  # the launchers have compiled"),
 ]

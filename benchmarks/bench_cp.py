@@ -11,7 +11,7 @@ bf16, Hq=32, Hkv=8, D=128 (options change them); B in --batches, T in --contexts
 backend selection) on the same cache, ``best1`` the faster of the two (both skipped when the cache would not
 fit in --max-gb); ``cp_<exchange>``: cp_flash_decode over W ranks holding T/W tokens each (contiguous
 placement) with each exchange of --exchanges (``symm``: NVLink symmetric memory, ``collective``: NCCL
-all-gather; see cp_attention/exchange.py), split into ``local`` (flash_decode on the shard) and
+all-gather; see cp_attention/distributed/exchange.py), split into ``local`` (flash_decode on the shard) and
 ``merge_<exchange>`` (merge_across_ranks alone); ``exposed_<exchange>`` = cp − local; ``tree`` (with
 --tree): the merge done Tree-Attention style instead (all-reduce MAX of the lse, then one all-reduce SUM
 of the rescaled numerators and denominators). Each per call (eager) and per call in a CUDA graph of 20

@@ -1,13 +1,16 @@
-"""Argument checks shared by every public function: each raises ``TypeError``/``ValueError`` naming the
+"""Every argument check of the public functions, once: each raises ``TypeError``/``ValueError`` naming the
 argument and what was expected, before any kernel runs."""
 from __future__ import annotations
 
 import math
 import numbers
+from typing import NamedTuple
 
 import torch
 
 from ._constants import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES
+
+MAX_Q_ROWS = 16  # query rows per request (speculative drafts, MTP)
 
 
 def _dtype_name(dtype) -> str:
@@ -144,3 +147,224 @@ def check_variants(window_left, logit_softcap, sinks, hq: int, device) -> None:
         check_tensor("sinks", sinks, dtypes=(torch.float32,), ndim=1, device=device)
         if sinks.shape[0] != hq:
             raise ValueError(f"sinks must have shape [{hq}] (one logit per query head), got {tuple(sinks.shape)}")
+
+
+def check_query(q) -> int:
+    """``q [B, Hq, D]`` or ``[B, Q, Hq, D]`` (``1 <= Q <= MAX_Q_ROWS``) in a float dtype, unit stride in D, a
+    supported head dim. Returns ``Q`` (1 for a 3-dim ``q``)."""
+    check_tensor("q", q, dtypes=FLOAT_DTYPES)
+    if q.dim() not in (3, 4):
+        raise ValueError(f"q must have 3 dims [B, Hq, D] or 4 dims [B, Q, Hq, D], got shape {tuple(q.shape)}")
+    check_unit_stride("q", q)
+    q_rows = q.shape[1] if q.dim() == 4 else 1
+    if not 1 <= q_rows <= MAX_Q_ROWS:
+        raise ValueError(f"q must have 1 to {MAX_Q_ROWS} query rows per request in dim 1, got {q_rows}")
+    check_head_dim(q.shape[-1])
+    return q_rows
+
+
+class Cache(NamedTuple):
+    """What :func:`check_cache` found: KV heads, sequences (or segments), capacity ``T_max`` (``max_pages *
+    page_size`` for a page pool), page size (0: dense) and pages in the pool."""
+
+    hkv: int
+    n_seq: int
+    t_max: int
+    page_size: int
+    num_pages: int
+
+
+def check_cache(q, k, v, seq_lens, block_table, kv_layout: str, prefix: str = "", batch: int | None = None) -> Cache:
+    """A KV cache for ``q`` (checked by :func:`check_query`): ``k``, ``v`` dense ``[N, Hkv, T, D]`` (``"HND"``)
+    / ``[N, T, Hkv, D]`` (``"NHD"``), or page pools ``[P, Hkv, page, D]`` / ``[P, page, Hkv, D]`` read through
+    ``block_table [N, max_pages]``; q's device and dtype (or FP8), unit stride in D, q's head dim, ``Hq % Hkv ==
+    0``; ``seq_lens [N]`` in ``[0, T_max]`` (required with a block table), and the pages they reach inside the
+    pool, both checked on the host for CPU tensors. ``prefix`` names the arguments (``"levels[0]."``); ``batch``:
+    the ``N`` required (``q.shape[0]``), if any."""
+    check_kv_layout(kv_layout)
+    d, hq = q.shape[-1], q.shape[-2]
+    kn, vn = f"{prefix}k", f"{prefix}v"
+    for name, t in ((kn, k), (vn, v)):
+        check_tensor(name, t, ndim=4, device=q.device)
+        if t.dtype != q.dtype and t.dtype not in FP8_DTYPES:
+            raise TypeError(f"{name} must have q's dtype {q.dtype} (or be an FP8 cache), got {t.dtype}")
+        check_unit_stride(name, t)
+    if v.dtype != k.dtype:
+        raise TypeError(f"{vn} must have {kn}'s dtype {k.dtype}, got {v.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"{vn} must have {kn}'s shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    if k.shape[3] != d:
+        raise ValueError(f"{kn} must have head dim {d} (q.shape[-1]) in dim 3, got shape {tuple(k.shape)}")
+    # dense: [N, Hkv, T, D] / [N, T, Hkv, D]; paged: [pages, Hkv, page, D] / [pages, page, Hkv, D]
+    hkv, t_dim = (k.shape[1], 2) if kv_layout == "HND" else (k.shape[2], 1)
+    if hkv < 1 or hq < 1 or hq % hkv != 0:
+        raise ValueError(f"q heads ({hq}) must be a positive multiple of the KV heads of {kn} ({hkv}) for "
+                         f"kv_layout={kv_layout}")
+    if block_table is not None:
+        bn = f"{prefix}block_table"
+        check_tensor(bn, block_table, dtypes=INDEX_DTYPES, ndim=2, device=q.device)
+        if seq_lens is None:
+            raise ValueError(f"{prefix}seq_lens must be given with {bn} (a page pool has no length of its own)")
+        page_size, num_pages = k.shape[t_dim], k.shape[0]
+        if page_size < 1 or num_pages < 1:
+            raise ValueError(f"{kn} must be a page pool with at least one page of at least one slot, got shape "
+                             f"{tuple(k.shape)}")
+        n_seq, t_max = block_table.shape[0], block_table.shape[1] * page_size
+    else:
+        page_size, num_pages, n_seq, t_max = 0, 0, k.shape[0], k.shape[t_dim]
+    if batch is not None and n_seq != batch:
+        name, shape = (f"{prefix}block_table", block_table.shape) if block_table is not None else (kn, k.shape)
+        raise ValueError(f"{name} must have batch {batch} (q.shape[0]) in dim 0, got shape {tuple(shape)}")
+    if seq_lens is not None:
+        check_index_tensor(f"{prefix}seq_lens", seq_lens, n_seq, q.device, lo=0, hi=t_max,
+                           hi_name="max_pages * page_size" if page_size else f"T_max = {kn}.shape[{t_dim}]")
+    if block_table is not None and not block_table.is_cuda and n_seq > 0:
+        used = torch.arange(block_table.shape[1])[None, :] * page_size < seq_lens.long()[:, None]
+        pages = block_table[used]
+        if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= num_pages):
+            raise ValueError(f"{prefix}block_table must hold pages in [0, {num_pages - 1}] ({kn} has {num_pages} "
+                             f"pages) where seq_lens reach, got values in [{int(pages.min())}, {int(pages.max())}]")
+    return Cache(hkv, n_seq, t_max, page_size, num_pages)
+
+
+class CacheGeometry(NamedTuple):
+    """What :func:`check_decode_args` found: KV heads, capacity ``T_max`` (``max_pages * page_size`` for a
+    page pool), query rows per request, page size (0: dense), pages in the pool and the FP8 scale mode
+    (0: not FP8, 1: float scales, 2: tensor scales)."""
+
+    hkv: int
+    t_max: int
+    q_rows: int
+    page_size: int
+    num_pages: int
+    kv_scale: int
+
+
+def check_split_size(split_size, *, num_splits=None, plan=None, window_left=None) -> None:
+    """``split_size``: None, or an int multiple of 16, without the arguments it replaces."""
+    if split_size is None:
+        return
+    check_int("split_size", split_size, 16)
+    if split_size % 16:
+        raise ValueError(f"split_size must be a multiple of 16, got {split_size}")
+    for name, value in (("num_splits", num_splits), ("plan", plan), ("window_left", window_left)):
+        if value is not None:
+            raise ValueError(f"split_size fixes the splits: {name} must be None with it, got {value!r}")
+
+
+def unpack_out(out):
+    """``out`` of :func:`cp_attention.flash_decode` as ``(o, lse or None)``."""
+    if isinstance(out, torch.Tensor):
+        return out, None
+    if not isinstance(out, tuple) or len(out) != 2 or not all(isinstance(t, torch.Tensor) for t in out):
+        raise TypeError(f"out must be a tensor or an AttentionState (o, lse) of tensors, got {type(out).__name__}")
+    return out
+
+
+def check_decode_args(q, k, v, seq_lens, *, block_table=None, num_splits=None, kv_layout="HND", plan=None,
+                      out=None, row_limits=None, k_scale=None, v_scale=None, window_left=None, logit_softcap=None,
+                      sinks=None, sm_scale=None, split_size=None, return_lse=False) -> CacheGeometry:
+    """Every argument of :func:`cp_attention.flash_decode` (shapes, dtypes, devices, strides; index values of
+    host tensors)."""
+    q_rows = check_query(q)
+    b, hq = q.shape[0], q.shape[-2]
+    cache = check_cache(q, k, v, seq_lens, block_table, kv_layout, batch=b)
+    if row_limits is not None:
+        check_tensor("row_limits", row_limits, dtypes=INDEX_DTYPES, ndim=3, device=q.device)
+        if tuple(row_limits.shape) != (b, q_rows, 2):
+            raise ValueError(f"row_limits must have shape [{b}, {q_rows}, 2], got {tuple(row_limits.shape)}")
+        if window_left is not None:
+            raise ValueError("window_left must be None with row_limits (the limits fix every row's positions)")
+    check_variants(window_left, logit_softcap, sinks, hq, q.device)
+    if num_splits is not None:
+        if not isinstance(num_splits, numbers.Integral) or isinstance(num_splits, bool):
+            raise TypeError(f"num_splits must be an int or None, got {num_splits!r}")
+        if num_splits < 1:
+            raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if plan is not None:
+        from .heuristics import DecodePlan
+
+        if not isinstance(plan, DecodePlan):
+            raise TypeError(f"plan must be a heuristics.DecodePlan, got {type(plan).__name__}")
+        if num_splits is not None:
+            raise ValueError("num_splits must be None when plan is given (the plan fixes the splits)")
+    if out is not None:
+        o_out, lse_out = unpack_out(out)
+        dtypes = (q.dtype,) if q.dtype == torch.float32 else (q.dtype, torch.float32)
+        check_tensor("out", o_out, dtypes=dtypes, device=q.device)
+        if o_out.shape != q.shape:
+            raise ValueError(f"out must have q's shape {tuple(q.shape)}, got {tuple(o_out.shape)}")
+        check_unit_stride("out", o_out)
+        if lse_out is not None:
+            check_tensor("out.lse", lse_out, dtypes=(torch.float32,), device=q.device)
+            if lse_out.shape != q.shape[:-1]:
+                raise ValueError(f"out.lse must have shape {tuple(q.shape[:-1])}, got {tuple(lse_out.shape)}")
+    check_sm_scale(sm_scale)
+    check_split_size(split_size, num_splits=num_splits, plan=plan, window_left=window_left)
+    check_bool("return_lse", return_lse)
+    kv_scale = check_kv_scales(k_scale, v_scale, k.dtype, q.dtype, cache.hkv, q.device)
+    return CacheGeometry(cache.hkv, cache.t_max, q_rows, cache.page_size, cache.num_pages, kv_scale)
+
+
+# Kinds of cascade level (how its segments are read).
+PER_REQUEST, SHARED_ALL, SEGMENTS = "per_request", "shared_all", "segments"
+
+
+class Level(NamedTuple):
+    """A validated :class:`cp_attention.CascadeLevel`: its kind, segment count and capacity (``max_pages *
+    page_size`` when paged)."""
+
+    lvl: tuple
+    kind: str
+    n_seg: int
+    t_max: int
+
+
+def check_cascade_args(q, levels, *, sm_scale=None, return_lse=False, k_scale=None, v_scale=None,
+                       logit_softcap=None, sinks=None) -> tuple:
+    """Every argument of :func:`cp_attention.cascade_decode`. Returns ``([Level], kv_scale mode)``."""
+    from .cascade import CascadeLevel
+
+    check_query(q)
+    b, hq = q.shape[0], q.shape[-2]
+    if isinstance(levels, CascadeLevel):
+        raise TypeError("levels must be a list or tuple of CascadeLevel, got one CascadeLevel (wrap it in a list)")
+    if not isinstance(levels, (list, tuple)):
+        raise TypeError(f"levels must be a list or tuple of CascadeLevel, got {type(levels).__name__}")
+    if len(levels) == 0:
+        raise ValueError("levels must hold at least one CascadeLevel, got none")
+    out, hkv0 = [], None
+    for i, lvl in enumerate(levels):
+        name = f"levels[{i}]"
+        if not isinstance(lvl, CascadeLevel):
+            raise TypeError(f"{name} must be a CascadeLevel, got {type(lvl).__name__}")
+        # dense levels are [S, Hkv, T, D]; page pools [P, page, Hkv, D] (the vLLM / FlashInfer layout)
+        cache = check_cache(q, lvl.k, lvl.v, lvl.seq_lens, lvl.block_table,
+                            "NHD" if lvl.block_table is not None else "HND", prefix=f"{name}.")
+        if cache.n_seq < 1:
+            raise ValueError(f"{name} must have at least one segment, got shape {tuple(lvl.k.shape)}"
+                             + (f" and block_table {tuple(lvl.block_table.shape)}" if cache.page_size else ""))
+        if hkv0 is None:
+            hkv0 = cache.hkv
+        elif cache.hkv != hkv0:
+            raise ValueError(f"{name}.k must have {hkv0} KV heads (as levels[0].k), got shape {tuple(lvl.k.shape)}")
+        ids = lvl.segment_ids
+        if ids is None:
+            if cache.n_seq == b:
+                kind = PER_REQUEST
+            elif cache.n_seq == 1:
+                kind = SHARED_ALL
+            else:
+                raise ValueError(f"{name}.segment_ids is None, so {name} must have 1 or B = {b} segments, "
+                                 f"got {cache.n_seq}")
+        else:
+            check_index_tensor(f"{name}.segment_ids", ids, b, q.device, lo=0, hi=cache.n_seq - 1,
+                               hi_name=f"{name} has {cache.n_seq} segments")
+            kind = SEGMENTS
+        out.append(Level(lvl, kind, cache.n_seq, cache.t_max))
+    check_sm_scale(sm_scale)
+    check_bool("return_lse", return_lse)
+    check_variants(None, logit_softcap, sinks, hq, q.device)
+    fp8 = [lv.lvl.k.dtype for lv in out if lv.lvl.k.dtype in FP8_DTYPES]
+    kv_scale = check_kv_scales(k_scale, v_scale, fp8[0] if fp8 else q.dtype, q.dtype, hkv0, q.device)
+    return out, kv_scale

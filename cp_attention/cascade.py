@@ -42,13 +42,13 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import _dispatch
-from ._constants import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES
-from ._dispatch import use_triton
-from ._validate import (check_bool, check_head_dim, check_index_tensor, check_kv_scales, check_sm_scale,
-                        check_tensor, check_unit_stride, check_variants, resolve_sm_scale)
-from .decode import MAX_Q_ROWS, _dequantize, flash_decode
-from .heuristics import num_sms, prefix_plan
+from . import _device
+from ._constants import FP8_DTYPES
+from ._device import use_triton
+from ._validate import PER_REQUEST, SEGMENTS, SHARED_ALL, check_cascade_args, resolve_sm_scale
+from .decode import flash_decode
+from .heuristics import prefix_plan
+from .quant import dequantize
 from .state import AttentionState, merge_states
 
 __all__ = ["CascadeLevel", "cascade_decode"]
@@ -71,102 +71,6 @@ class CascadeLevel(NamedTuple):
     seq_lens: Optional[torch.Tensor] = None
     segment_ids: Optional[torch.Tensor] = None
     block_table: Optional[torch.Tensor] = None
-
-
-# Kinds of level (how its segments are read).
-_PER_REQUEST, _SHARED_ALL, _SEGMENTS = "per_request", "shared_all", "segments"
-
-
-class _Level(NamedTuple):
-    """A validated level: its kind, segment count and capacity (``max_pages * page_size`` when paged)."""
-
-    lvl: CascadeLevel
-    kind: str
-    n_seg: int
-    t_max: int
-
-
-def _validate(q, levels, sm_scale, return_lse, k_scale, v_scale, logit_softcap, sinks):
-    check_tensor("q", q, dtypes=FLOAT_DTYPES)
-    if q.dim() not in (3, 4):
-        raise ValueError(f"q must have 3 dims [B, Hq, D] or 4 dims [B, Q, Hq, D], got shape {tuple(q.shape)}")
-    check_unit_stride("q", q)
-    b, hq, d = q.shape[0], q.shape[-2], q.shape[-1]
-    q_rows = q.shape[1] if q.dim() == 4 else 1
-    if not 1 <= q_rows <= MAX_Q_ROWS:
-        raise ValueError(f"q must have 1 to {MAX_Q_ROWS} query rows per request in dim 1, got {q_rows}")
-    check_head_dim(d)
-    if isinstance(levels, CascadeLevel):
-        raise TypeError("levels must be a list or tuple of CascadeLevel, got one CascadeLevel (wrap it in a list)")
-    if not isinstance(levels, (list, tuple)):
-        raise TypeError(f"levels must be a list or tuple of CascadeLevel, got {type(levels).__name__}")
-    if len(levels) == 0:
-        raise ValueError("levels must hold at least one CascadeLevel, got none")
-    out, hkv0 = [], None
-    for i, lvl in enumerate(levels):
-        name = f"levels[{i}]"
-        if not isinstance(lvl, CascadeLevel):
-            raise TypeError(f"{name} must be a CascadeLevel, got {type(lvl).__name__}")
-        for part in ("k", "v"):
-            t = getattr(lvl, part)
-            check_tensor(f"{name}.{part}", t, ndim=4, device=q.device)
-            if t.dtype != q.dtype and t.dtype not in FP8_DTYPES:
-                raise TypeError(f"{name}.{part} must have q's dtype {q.dtype} (or be FP8), got {t.dtype}")
-            check_unit_stride(f"{name}.{part}", t)
-        k, v = lvl.k, lvl.v
-        if v.dtype != k.dtype:
-            raise TypeError(f"{name}.v must have {name}.k's dtype {k.dtype}, got {v.dtype}")
-        if v.shape != k.shape:
-            raise ValueError(f"{name}.v must have {name}.k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
-        paged = lvl.block_table is not None
-        if paged:
-            n_pages, page_size, hkv, dk = k.shape
-            check_tensor(f"{name}.block_table", lvl.block_table, dtypes=INDEX_DTYPES, ndim=2, device=q.device)
-            n_seg, t_max = lvl.block_table.shape[0], lvl.block_table.shape[1] * page_size
-            if lvl.seq_lens is None:
-                raise ValueError(f"{name}.seq_lens must be given with {name}.block_table")
-        else:
-            n_seg, hkv, t_max, dk = k.shape
-        if n_seg < 1:
-            raise ValueError(f"{name} must have at least one segment, got shape {tuple(k.shape)}"
-                             + (f" and block_table {tuple(lvl.block_table.shape)}" if paged else ""))
-        if dk != d:
-            raise ValueError(f"{name}.k must have head dim {d} (q.shape[-1]) in dim 3, got shape {tuple(k.shape)}")
-        if hkv0 is None:
-            hkv0 = hkv
-            if hkv < 1 or hq % hkv != 0:
-                raise ValueError(f"q heads ({hq}) must be a multiple of the KV heads of {name}.k ({hkv})")
-        elif hkv != hkv0:
-            raise ValueError(f"{name}.k must have {hkv0} KV heads (as levels[0].k), got shape {tuple(k.shape)}")
-        if lvl.seq_lens is not None:
-            check_index_tensor(f"{name}.seq_lens", lvl.seq_lens, n_seg, q.device, lo=0, hi=t_max,
-                               hi_name="its capacity" if paged else f"{name}.k.shape[2]")
-        if paged and not lvl.block_table.is_cuda:
-            used = torch.arange(lvl.block_table.shape[1])[None, :] * page_size < lvl.seq_lens.long()[:, None]
-            pages = lvl.block_table[used]
-            if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= n_pages):
-                raise ValueError(f"{name}.block_table must hold pages in [0, {n_pages - 1}] where seq_lens "
-                                 f"reach, got values in [{int(pages.min())}, {int(pages.max())}]")
-        ids = lvl.segment_ids
-        if ids is None:
-            if n_seg == b:
-                kind = _PER_REQUEST
-            elif n_seg == 1:
-                kind = _SHARED_ALL
-            else:
-                raise ValueError(f"{name}.segment_ids is None, so {name} must have 1 or B = {b} segments, "
-                                 f"got {n_seg}")
-        else:
-            check_index_tensor(f"{name}.segment_ids", ids, b, q.device, lo=0, hi=n_seg - 1,
-                               hi_name=f"{name} has {n_seg} segments")
-            kind = _SEGMENTS
-        out.append(_Level(lvl, kind, n_seg, t_max))
-    check_sm_scale(sm_scale)
-    check_bool("return_lse", return_lse)
-    check_variants(None, logit_softcap, sinks, hq, q.device)
-    fp8 = [lv.lvl.k.dtype for lv in out if lv.lvl.k.dtype in FP8_DTYPES]
-    kv_scale = check_kv_scales(k_scale, v_scale, fp8[0] if fp8 else q.dtype, q.dtype, hkv0, q.device)
-    return out, kv_scale
 
 
 def cascade_decode(q, levels, *, sm_scale=None, k_scale=None, v_scale=None, logit_softcap=None, sinks=None,
@@ -206,7 +110,8 @@ def cascade_decode(q, levels, *, sm_scale=None, k_scale=None, v_scale=None, logi
     >>> cascade_decode(q, [prefix, suffix], return_lse=True).lse.shape
     torch.Size([3, 8])
     """
-    checked, kv_scale = _validate(q, levels, sm_scale, return_lse, k_scale, v_scale, logit_softcap, sinks)
+    checked, kv_scale = check_cascade_args(q, levels, sm_scale=sm_scale, return_lse=return_lse, k_scale=k_scale,
+                                           v_scale=v_scale, logit_softcap=logit_softcap, sinks=sinks)
     scale = resolve_sm_scale(sm_scale, q.shape[-1])
     scales = (k_scale, v_scale, kv_scale)
     last = checked[-1]
@@ -239,22 +144,22 @@ def _cascade_triton(q, work, last, scale, scales, softcap, sinks, fixed_splits, 
     lvl0 = work[0].lvl
     hkv = lvl0.k.shape[2] if lvl0.block_table is not None else lvl0.k.shape[1]
     group = hq // hkv
-    sms = num_sms(q.device)
+    sms = _device.num_sms(q.device)
     plans = []  # PrefixPlan, or None for a per-request level
     for lv in work:
-        if lv.kind == _PER_REQUEST:
+        if lv.kind == PER_REQUEST:
             plans.append(None)
             continue
         # Segments read by some request: at most min(S, B); 1 when every request reads the one segment.
-        n_read = 1 if lv.kind == _SHARED_ALL else min(lv.n_seg, b)
+        n_read = 1 if lv.kind == SHARED_ALL else min(lv.n_seg, b)
         plans.append(prefix_plan(b, q_rows * group, hkv, n_read, lv.t_max, d, q.dtype, sms, fixed_splits, config))
 
     rows = q.numel() // d  # B * Q * Hq
     starts = [0]  # each level's first slot, then the slot count
     for plan in plans:
         starts.append(starts[-1] + (1 if plan is None else plan.num_splits))
-    o_all = _dispatch.new_buffer((starts[-1], rows, d), torch.float32, q.device)
-    lse_all = _dispatch.new_buffer((starts[-1], rows), torch.float32, q.device)
+    o_all = _device.new_buffer((starts[-1], rows, d), torch.float32, q.device)
+    lse_all = _device.new_buffer((starts[-1], rows), torch.float32, q.device)
     # The shared levels first, then the per-request ones on a side stream (Note [Cascade attention], overlap)
     shared = [i for i, plan in enumerate(plans) if plan is not None]
     own = [i for i, plan in enumerate(plans) if plan is None]
@@ -266,7 +171,7 @@ def _cascade_triton(q, work, last, scale, scales, softcap, sinks, fixed_splits, 
         lvl = lv.lvl
         layout, k_scale, v_scale, kv_scale = _level_args(lvl, scales)
         perm = tiles = None
-        if lv.kind == _SEGMENTS:
+        if lv.kind == SEGMENTS:
             perm, tiles = _tile_table(lvl.segment_ids, lv.n_seg, q_rows * group, plan.config.block_m, plan.n_tiles)
         end = slot + plan.num_splits
         prefix_attention(q, lvl.k, lvl.v, lvl.seq_lens, lvl.block_table, perm, tiles, o_all[slot:end],
@@ -284,8 +189,8 @@ def _cascade_triton(q, work, last, scale, scales, softcap, sinks, fixed_splits, 
     if side is not None:
         torch.cuda.current_stream(q.device).wait_stream(side)  # the join, before the merge
     if out is None:
-        o = _dispatch.new_buffer(tuple(q.shape), q.dtype, q.device)
-        lse = _dispatch.new_buffer(tuple(q.shape[:-1]), torch.float32, q.device)
+        o = _device.new_buffer(tuple(q.shape), q.dtype, q.device)
+        lse = _device.new_buffer(tuple(q.shape[:-1]), torch.float32, q.device)
         merge_states_into(o_all, lse_all, o.view(rows, d), lse.view(rows), sinks=sinks, one_warp=True)
         return AttentionState(o, lse)
     # An fp32 state of [rows, D] and [rows] views (the context-parallel exchange buffer), and where the
@@ -347,15 +252,15 @@ def _cascade_torch(q, work, last, scale, scales, softcap, sinks) -> AttentionSta
     states = []
     for lv in work:
         lvl = lv.lvl
-        if lv.kind == _PER_REQUEST:
+        if lv.kind == PER_REQUEST:
             idx = torch.arange(b, device=q.device)
-        elif lv.kind == _SHARED_ALL:
+        elif lv.kind == SHARED_ALL:
             idx = torch.zeros(b, dtype=torch.long, device=q.device)
         else:
             idx = lvl.segment_ids.long()
         k, v = lvl.k, lvl.v
         if k.dtype in FP8_DTYPES:
-            k, v = _dequantize(k, v, scales[0], scales[1], "NHD" if lvl.block_table is not None else "HND", 1)
+            k, v = dequantize(k, v, scales[0], scales[1], "NHD" if lvl.block_table is not None else "HND")
         if lvl.block_table is not None:  # [S, T, Hkv, D] -> [S, Hkv, T, D]
             k, v = (paged_to_dense(t, lvl.block_table, "NHD").transpose(1, 2) for t in (k, v))
         seq = lvl.seq_lens[idx] if lvl.seq_lens is not None else None

@@ -7,147 +7,35 @@ and short contexts the GPU work itself takes less than 10 µs. A call reads each
 strides, dtype, device and pointer (its 16-byte alignment goes in) into one key, with the options (a
 Python value with its class: ``num_splits=2.0`` equals ``2`` but is refused), and on a hit replays what
 an earlier call with the same key prepared once every check had passed: the plan
-(``heuristics.decode_plan``), the kernel's integer arguments bound in a
-:class:`~cp_attention.ops._launch.Launcher`, the output's shape. Everything the checks read is in the
-key, so a call that would fail them misses the cache and is checked in full; what the key does not fix
-(``sm_scale``, ``return_lse``, the softcap's and float FP8 scales' values) is checked at every call. The
-kernel then gets the pointers the key read (``Launcher.launch_ptrs``). That is the path of CUDA tensors,
-whose index values are never read on the host (no sync; the kernels clamp them); host tensors (the
-interpreter) are checked in full at every call and only reuse the prepared launch. The last key found
-sits beside the dict, so a call site that repeats its call (a model's layers) compares keys instead of
-hashing them. The split workspace and the LSE scratch of calls that do not return it are kept per
-(device, stream) and grow when needed; buffers a larger request
-replaces stay alive, because a captured CUDA graph may still use them. Where the host time of a call
-goes: benchmarks/NOTES.md, "Host path v6".
+(``heuristics.plan_decode``), the kernels' integer arguments bound in
+:class:`~cp_attention.ops._launch.Launcher` objects (``ops.split_kv.decode_launchers``), the output's shape.
+Everything the checks read is in the key, so a call that would fail them misses the cache and is checked in
+full; what the key does not fix (``sm_scale``, ``return_lse``, the softcap's and float FP8 scales' values) is
+checked at every call by :func:`_scalars`. The kernel then gets the pointers the key read
+(``Launcher.launch_ptrs``). That is the path of CUDA tensors, whose index values are never read on the host
+(no sync; the kernels clamp them); host tensors (the interpreter) are checked in full at every call and only
+reuse the prepared launch. The last key found sits beside the dict, so a call site that repeats its call (a
+model's layers) compares keys instead of hashing them. The split workspace and the LSE scratch of calls that
+do not return it are kept per (device, stream) and grow when needed; buffers a larger request replaces stay
+alive, because a captured CUDA graph may still use them.
 """
 from __future__ import annotations
 
 import math
-import numbers
 from typing import NamedTuple
 
 import torch
 
-from . import _dispatch
-from ._constants import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, LOG2E
-from ._dispatch import use_triton
-from ._validate import (check_bool, check_head_dim, check_index_tensor, check_int, check_kv_layout, check_kv_scales,
-                        check_sm_scale, check_tensor, check_unit_stride, check_variants)
-from .heuristics import (FP8_ONE_WARP, FP8_ONE_WARP_LONG, ONE_WARP_CONFIGS, ONE_WARP_MAX_ROWS, DecodePlan,
-                         decode_plan, deterministic_plan, num_sms, one_warp_fp8, one_warp_plan, use_pdl)
+from . import _device
+from ._constants import LOG2E
+from ._device import use_triton
+from ._validate import (check_bool, check_decode_args, check_kv_scales, check_sm_scale, check_variants,
+                        CacheGeometry, unpack_out)
+from .heuristics import plan_decode
+from .quant import dequantize
 from .state import AttentionState
 
 __all__ = ["flash_decode"]
-
-
-MAX_Q_ROWS = 16
-
-
-class CacheGeometry(NamedTuple):
-    """What :func:`check_decode_args` found: KV heads, capacity ``T_max`` (``max_pages * page_size`` for a
-    page pool), query rows per request, page size (0: dense), pages in the pool and the FP8 scale mode
-    (0: not FP8, 1: float scales, 2: tensor scales)."""
-
-    hkv: int
-    t_max: int
-    q_rows: int
-    page_size: int
-    num_pages: int
-    kv_scale: int
-
-
-def check_decode_args(q, k, v, seq_lens, *, block_table=None, num_splits=None, kv_layout="HND", plan=None,
-                      out=None, row_limits=None, k_scale=None, v_scale=None, window_left=None, logit_softcap=None,
-                      sinks=None) -> CacheGeometry:
-    """Validate :func:`flash_decode`'s tensor arguments (shapes, dtypes, devices, strides; index values of
-    host tensors)."""
-    check_tensor("q", q, dtypes=FLOAT_DTYPES)
-    if q.dim() not in (3, 4):
-        raise ValueError(f"q must have 3 dims [B, Hq, D] or 4 dims [B, Q, Hq, D], got shape {tuple(q.shape)}")
-    check_unit_stride("q", q)
-    check_kv_layout(kv_layout)
-    b, hq, d = q.shape[0], q.shape[-2], q.shape[-1]
-    q_rows = q.shape[1] if q.dim() == 4 else 1
-    if not 1 <= q_rows <= MAX_Q_ROWS:
-        raise ValueError(f"q must have 1 to {MAX_Q_ROWS} query rows per request in dim 1, got {q_rows}")
-    for name, t in (("k", k), ("v", v)):
-        check_tensor(name, t, ndim=4, device=q.device)
-        if t.dtype != q.dtype and t.dtype not in FP8_DTYPES:
-            raise TypeError(f"{name} must have q's dtype {q.dtype} (or be an FP8 cache), got {t.dtype}")
-        check_unit_stride(name, t)
-    if v.dtype != k.dtype:
-        raise TypeError(f"v must have k's dtype {k.dtype}, got {v.dtype}")
-    if k.shape != v.shape:
-        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
-    if k.shape[3] != d:
-        raise ValueError(f"k must have head dim {d} (q.shape[-1]) in dim 3, got shape {tuple(k.shape)}")
-    check_head_dim(d)
-    paged = block_table is not None
-    # dense: [B, Hkv, T, D] / [B, T, Hkv, D]; paged: [pages, Hkv, page, D] / [pages, page, Hkv, D]
-    hkv, t_dim = (k.shape[1], 2) if kv_layout == "HND" else (k.shape[2], 1)
-    if hkv < 1 or hq < 1 or hq % hkv != 0:
-        raise ValueError(f"q heads ({hq}) must be a positive multiple of the KV heads of k ({hkv}) for "
-                         f"kv_layout={kv_layout}")
-    if paged:
-        check_tensor("block_table", block_table, dtypes=INDEX_DTYPES, ndim=2, device=q.device)
-        if block_table.shape[0] != b:
-            raise ValueError(f"block_table must have batch {b} (q.shape[0]) in dim 0, got shape "
-                             f"{tuple(block_table.shape)}")
-        if seq_lens is None:
-            raise ValueError("seq_lens must be given with block_table (a page pool has no length of its own)")
-        page_size, num_pages = k.shape[t_dim], k.shape[0]
-        if page_size < 1 or num_pages < 1:
-            raise ValueError(f"k must be a page pool with at least one page of at least one slot, got shape "
-                             f"{tuple(k.shape)}")
-        t_max = block_table.shape[1] * page_size
-    else:
-        if k.shape[0] != b:
-            raise ValueError(f"k must have batch {b} (q.shape[0]) in dim 0, got shape {tuple(k.shape)}")
-        page_size, num_pages, t_max = 0, 0, k.shape[t_dim]
-    if seq_lens is not None:
-        check_index_tensor("seq_lens", seq_lens, b, q.device, lo=0, hi=t_max,
-                           hi_name="max_pages * page_size" if paged else "T_max")
-    if paged and not block_table.is_cuda and b > 0:
-        used = torch.arange(block_table.shape[1])[None, :] * page_size < seq_lens.long()[:, None]
-        pages = block_table[used]
-        if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= num_pages):
-            raise ValueError(f"block_table must hold pages in [0, {num_pages - 1}] (k has {num_pages} pages) "
-                             f"where seq_lens reach, got values in [{int(pages.min())}, {int(pages.max())}]")
-    if row_limits is not None:
-        check_tensor("row_limits", row_limits, dtypes=INDEX_DTYPES, ndim=3, device=q.device)
-        if tuple(row_limits.shape) != (b, q_rows, 2):
-            raise ValueError(f"row_limits must have shape [{b}, {q_rows}, 2], got {tuple(row_limits.shape)}")
-        if window_left is not None:
-            raise ValueError("window_left must be None with row_limits (the limits fix every row's positions)")
-    check_variants(window_left, logit_softcap, sinks, hq, q.device)
-    if num_splits is not None:
-        if not isinstance(num_splits, numbers.Integral) or isinstance(num_splits, bool):
-            raise TypeError(f"num_splits must be an int or None, got {num_splits!r}")
-        if num_splits < 1:
-            raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    if plan is not None:
-        if not isinstance(plan, DecodePlan):
-            raise TypeError(f"plan must be a heuristics.DecodePlan, got {type(plan).__name__}")
-        if num_splits is not None:
-            raise ValueError("num_splits must be None when plan is given (the plan fixes the splits)")
-    if out is not None:
-        o_out, lse_out = (out, None) if isinstance(out, torch.Tensor) else _unpack_out(out)
-        check_tensor("out", o_out, dtypes=(q.dtype, torch.float32), device=q.device)
-        if o_out.shape != q.shape:
-            raise ValueError(f"out must have q's shape {tuple(q.shape)}, got {tuple(o_out.shape)}")
-        check_unit_stride("out", o_out)
-        if lse_out is not None:
-            check_tensor("out.lse", lse_out, dtypes=(torch.float32,), device=q.device)
-            if lse_out.shape != q.shape[:-1]:
-                raise ValueError(f"out.lse must have shape {tuple(q.shape[:-1])}, got {tuple(lse_out.shape)}")
-    kv_scale = check_kv_scales(k_scale, v_scale, k.dtype, q.dtype, hkv, q.device)
-    return CacheGeometry(hkv, t_max, q_rows, page_size, num_pages, kv_scale)
-
-
-def _unpack_out(out):
-    if not isinstance(out, tuple) or len(out) != 2 or not all(isinstance(t, torch.Tensor) for t in out):
-        raise TypeError(f"out must be a tensor or an AttentionState (o, lse) of tensors, got {type(out).__name__}")
-    return out
 
 
 class _Prepared(NamedTuple):
@@ -174,11 +62,6 @@ _MAX_PREPARED = 4096
 _LAST: tuple = (None, None)
 
 
-def _bqh(strides, multi: bool) -> tuple:
-    """(batch, row, head) strides from the strides of ``[B, Q, H, ...]``, or of ``[B, H, ...]`` (row 0)."""
-    return (strides[0], strides[1], strides[2]) if multi else (strides[0], 0, strides[1])
-
-
 def _contiguous_strides(shape) -> tuple:
     strides, acc = [], 1
     for n in reversed(shape):
@@ -188,74 +71,22 @@ def _contiguous_strides(shape) -> tuple:
 
 
 def _prepare(q, k, v, seq_lens, block_table, row_limits, sinks, scales, num_splits, kv_layout, plan, o, lse,
-             geo: CacheGeometry, window_left, softcap: bool, span, split_size, export: bool) -> _Prepared:
-    from .ops._launch import Launcher
-    from .ops.split_kv import (_combine_kernel, _split_kv_kernel, combine_launch_config, export_floats, exports,
-                               split_kv_launch_config)
+             geo: CacheGeometry, window_left, softcap: bool, span, split_size) -> _Prepared:
+    from .ops.split_kv import decode_launchers
 
     b, hq, d = q.shape[0], q.shape[-2], q.shape[-1]
-    multi = q.dim() == 4
-    rows = geo.q_rows * (hq // geo.hkv)
-    plain = split_size is None  # the domain of the one-warp FP8 kernel beyond dtype and shapes (one_warp_fp8)
-    if split_size is not None:
-        plan = deterministic_plan(geo.t_max, d, q.dtype, split_size)
-    elif plan is None:
-        # A window (or a context-parallel rank's share of one) bounds the positions a call reads: the
-        # splits tile that span from its first position, not the whole cache.
-        reach = geo.t_max if window_left is None else min(geo.t_max, window_left + geo.q_rows)
-        reach = reach if span is None else min(reach, span)
-        if one_warp_fp8(q.device, k.dtype, d, rows, reach, plain, geo.page_size):
-            # splits from a whole tile below the first key
-            margin = FP8_ONE_WARP_LONG.block_n - 1 if window_left is not None or row_limits is not None else 0
-            plan = one_warp_plan(b, geo.hkv, min(geo.t_max, reach + margin), num_sms(q.device), num_splits,
-                                 geo.page_size, rows, d)  # None: splits too short for the rows' states
-        if plan is None:
-            plan = decode_plan(b, geo.hkv, reach, d, q.dtype, num_sms(q.device), num_splits, kv_dtype=k.dtype,
-                               page_size=geo.page_size, aligned=window_left is None and row_limits is None, rows=rows)
-    ks, vs = k.stride(), v.stride()
-    # The kernel reads k/v through (batch or page, KV head, position or slot) strides.
-    if kv_layout == "NHD":
-        ks, vs = (ks[0], ks[2], ks[1]), (vs[0], vs[2], vs[1])
-    pdl = use_pdl(q.device)
-    constexprs, options, tiling = split_kv_launch_config(
-        q.dtype, hq // geo.hkv, geo.q_rows, d, plan, has_seq_lens=seq_lens is not None, page_size=geo.page_size,
-        causal=geo.q_rows > 1 and row_limits is None, row_limits=row_limits is not None, kv_scale=geo.kv_scale,
-        window=window_left is not None and row_limits is None, softcap=softcap, sinks=sinks is not None, pdl=pdl)
-    kernel = _split_kv_kernel
-    if plan.config in ONE_WARP_CONFIGS:
-        if not (one_warp_fp8(q.device, k.dtype, d, rows, geo.t_max, plain, geo.page_size)
-                and plan.page_tiles == (geo.page_size > 0 and geo.page_size % plan.config.block_n == 0)
-                and (plan.page_tiles or not geo.page_size or plan.config == FP8_ONE_WARP)
-                and not plan.split_pages and plan.streams == 1):
-            raise ValueError(f"plan: the one-warp FP8 configs run an FP8 cache of head dim 128 or 256 and more than "
-                             f"512 positions read by at most {ONE_WARP_MAX_ROWS} query rows per KV head, dense or paged "
-                             f"(page_tiles where a page holds whole tiles, else 16-key tiles with an entry a key), "
-                             f"without split_size, on an sm_90 GPU")
-        from .ops.split_kv_fp8 import _split_kv_fp8_kernel
-        kernel, constexprs = _split_kv_fp8_kernel, dict(constexprs, NUM_STAGES=plan.config.num_stages)
-    grid = (b * geo.hkv * tiling.n_rt, plan.num_splits)
+    plan = plan_decode(q.device, b, geo.hkv, geo.t_max, d, q.dtype, k.dtype, geo.q_rows, hq // geo.hkv, geo.page_size,
+                       num_splits=num_splits, window_left=window_left, row_limits=row_limits is not None, span=span,
+                       split_size=split_size, plan=plan)
     cuda = q.get_device() if q.is_cuda else None
     lse_shape = tuple(q.shape[:-1])
     o_like_q = o is None and q.is_contiguous()  # then empty_like(q) has q's strides
     o_strides = o.stride() if o is not None else q.stride() if o_like_q else _contiguous_strides(q.shape)
-    o_strides = _bqh(o_strides, multi)
-    lse_strides = _bqh(lse.stride() if lse is not None else _contiguous_strides(lse_shape), multi)
-    sink_stride = sinks.stride(0) if sinks is not None else 0
-    int_args = (geo.t_max, plan.tiles_per_split, geo.hkv, geo.num_pages, window_left or 0,
-                *_bqh(q.stride(), multi), ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], *o_strides, *lse_strides,
-                seq_lens.stride(0) if seq_lens is not None else 0,
-                *(block_table.stride() if block_table is not None else (0, 0)),
-                *(row_limits.stride() if row_limits is not None else (0, 0, 0)),
-                *((sc.stride(0) if sc.dim() else 0) if geo.kv_scale == 2 else 0 for sc in scales), sink_stride)
-    launcher = Launcher(kernel, grid, constexprs, device=cuda, static=int_args, **options)
-    combine, work = None, 0
-    if exports(plan):
-        work = export_floats(b, geo.hkv, tiling, d, plan.num_splits)
-        c_constexprs, c_options, c_grid = combine_launch_config(
-            hq // geo.hkv, geo.q_rows, d, sinks is not None, None if plan.deterministic else plan.num_splits, pdl,
-            plan.config.programs > 1, tiling.block_h)
-        combine = Launcher(_combine_kernel, (grid[0], *c_grid), c_constexprs, device=cuda,
-                           static=(plan.num_splits, geo.hkv, *o_strides, *lse_strides, sink_stride), **c_options)
+    lse_strides = lse.stride() if lse is not None else _contiguous_strides(lse_shape)
+    launcher, combine, work = decode_launchers(
+        q, k, v, seq_lens, block_table, row_limits, sinks, scales, kv_layout, plan, o_strides, lse_strides,
+        hkv=geo.hkv, q_rows=geo.q_rows, t_max=geo.t_max, page_size=geo.page_size, num_pages=geo.num_pages,
+        kv_scale=geo.kv_scale, window_left=window_left, softcap=softcap, device=cuda, pdl=_device.use_pdl(q.device))
     return _Prepared(launcher, combine, cuda, q.device, tuple(q.shape), q.dtype, o_like_q, lse_shape,
                      1.0 / math.sqrt(d), work, math.prod(lse_shape), b > 0)
 
@@ -442,26 +273,15 @@ def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num
                              _export, key, prep)
 
     # A CUDA call whose key a validated call prepared: only what the key does not fix is checked.
-    if sm_scale is None:
-        scale = prep.sm_scale
-    else:
-        if sm_scale.__class__ is not float or not math.isfinite(sm_scale):
-            check_sm_scale(sm_scale)
-        scale = float(sm_scale)
     if return_lse is not False and return_lse is not True:
         check_bool("return_lse", return_lse)
-    cap = 1.0 if logit_softcap is None else _softcap_log2(logit_softcap)
-    if k_scale is None:  # not FP8 (an FP8 cache without scales was refused when the key was prepared)
-        ks = vs = 1.0
-        kscp = vscp = qp
-    elif isinstance(k_scale, torch.Tensor):
-        ks = vs = 1.0
+    scale, ks, vs, cap = _scalars(prep.sm_scale, sm_scale, logit_softcap, k_scale, v_scale)
+    if isinstance(k_scale, torch.Tensor):
         kscp, vscp = k_scale.data_ptr(), v_scale.data_ptr()
-    else:
-        ks, vs = _float_scales(k_scale, v_scale, k.dtype, q.dtype)
+    else:  # not FP8, or float scales (an FP8 cache without scales was refused when the key was prepared)
         kscp = vscp = qp
     if out is None:
-        o = _dispatch.new_like(q) if prep.o_like_q else _dispatch.new_buffer(prep.shape, prep.dtype, prep.device)
+        o = _device.new_like(q) if prep.o_like_q else _device.new_buffer(prep.shape, prep.dtype, prep.device)
         op, lse_out = o.data_ptr(), None
     elif op is not None:  # a tensor, its pointer read for the key
         o, lse_out = out, None
@@ -469,7 +289,7 @@ def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num
         o, lse_out = (out, None) if isinstance(out, torch.Tensor) else out
         op = o.data_ptr()
     if lse_out is None and return_lse:
-        lse_out = _dispatch.new_buffer(prep.lse_shape, torch.float32, prep.device)
+        lse_out = _device.new_buffer(prep.lse_shape, torch.float32, prep.device)
     stream = torch._C._cuda_getCurrentRawStream(prep.cuda)
     scratch = _SCRATCH.get((prep.cuda, stream))
     if scratch is None or not scratch.fits(prep):
@@ -491,17 +311,27 @@ def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num
     return o
 
 
-def _softcap_log2(logit_softcap) -> float:
-    """The kernels' softcap argument, ``c * log2(e)``, of a validated-kind ``logit_softcap``."""
-    if not (logit_softcap > 0 and math.isfinite(logit_softcap)):
-        check_variants(None, logit_softcap, None, 1, None)
-    return float(logit_softcap) * LOG2E
-
-
-def _float_scales(k_scale, v_scale, kv_dtype, q_dtype) -> tuple:
+def _scalars(default_scale: float, sm_scale, logit_softcap, k_scale, v_scale) -> tuple:
+    """The kernels' scalar arguments ``(sm_scale, k_scale, v_scale, softcap * log2(e))`` of arguments whose kinds
+    were checked (the key of Note [The decode hot path] holds their classes); the values, which the key does
+    not hold, are checked here. Tensor FP8 scales are read by the kernels: 1.0 here."""
+    if sm_scale is None:
+        scale = default_scale
+    else:
+        if sm_scale.__class__ is not float or not math.isfinite(sm_scale):
+            check_sm_scale(sm_scale)
+        scale = float(sm_scale)
+    if logit_softcap is None:
+        cap = 1.0
+    else:
+        if not (logit_softcap > 0 and math.isfinite(logit_softcap)):
+            check_variants(None, logit_softcap, None, 1, None)
+        cap = float(logit_softcap) * LOG2E
+    if k_scale is None or isinstance(k_scale, torch.Tensor):
+        return scale, 1.0, 1.0, cap
     if not (k_scale > 0 and v_scale > 0 and math.isfinite(k_scale) and math.isfinite(v_scale)):
-        check_kv_scales(k_scale, v_scale, kv_dtype, q_dtype, 1, None)
-    return float(k_scale), float(v_scale)
+        check_kv_scales(k_scale, v_scale, torch.float8_e4m3fn, torch.bfloat16, 1, None)
+    return scale, float(k_scale), float(v_scale), cap
 
 
 def _launch(prep: _Prepared, scratch: _Scratch, q, k, v, seq_lens, block_table, row_limits, k_scale, v_scale, sinks,
@@ -523,35 +353,45 @@ def _checked_call(q, k, v, seq_lens, block_table, sm_scale, num_splits, kv_layou
     """Every check, then the torch path, or the kernels with ``prep`` (prepared now when None; kept under
     ``key`` unless None). Host tensors (the interpreter) come here at every call: their index values are
     checked each time."""
-    check_bool("return_lse", return_lse)
     geo = check_decode_args(q, k, v, seq_lens, block_table=block_table, num_splits=num_splits, kv_layout=kv_layout,
                             plan=plan, out=out, row_limits=row_limits, k_scale=k_scale, v_scale=v_scale,
-                            window_left=window_left, logit_softcap=logit_softcap, sinks=sinks)
-    check_sm_scale(sm_scale)
-    check_split_size(split_size, num_splits=num_splits, plan=plan, window_left=window_left)
-    o_out, lse_out = (None, None) if out is None else (out, None) if isinstance(out, torch.Tensor) else out
+                            window_left=window_left, logit_softcap=logit_softcap, sinks=sinks, sm_scale=sm_scale,
+                            split_size=split_size, return_lse=return_lse)
+    return decode_checked(q, k, v, seq_lens, geo, block_table=block_table, sm_scale=sm_scale, num_splits=num_splits,
+                          kv_layout=kv_layout, split_size=split_size, k_scale=k_scale, v_scale=v_scale,
+                          window_left=window_left, logit_softcap=logit_softcap, sinks=sinks, return_lse=return_lse,
+                          out=out, plan=plan, row_limits=row_limits, span=span, export=export, key=key, prep=prep)
+
+
+def decode_checked(q, k, v, seq_lens, geo: CacheGeometry, *, block_table=None, sm_scale=None, num_splits=None,
+                   kv_layout="HND", split_size=None, k_scale=None, v_scale=None, window_left=None, logit_softcap=None,
+                   sinks=None, return_lse=False, out=None, plan=None, row_limits=None, span=None, export=None,
+                   key=None, prep=None):
+    """:func:`flash_decode` of arguments that :func:`~cp_attention._validate.check_decode_args` accepted (its
+    result ``geo``): the torch path, or the kernels (prepared now unless ``prep`` is given; kept under ``key``
+    unless None). ``export``: an fp32 buffer that receives the deterministic splits' states instead of the
+    combine (context parallelism, Note [Deterministic splits])."""
+    o_out, lse_out = (None, None) if out is None else unpack_out(out)
     if not use_triton(q):
         if export is not None:
-            raise ValueError("the exported states of deterministic splits need the Triton kernels")
-        k, v = _dequantize(k, v, k_scale, v_scale, kv_layout, geo.kv_scale)
+            raise ValueError("split_size: the exported states of deterministic splits need the Triton kernels "
+                             "(CUDA tensors, or TRITON_INTERPRET=1 on the CPU)")
+        k, v = dequantize(k, v, k_scale, v_scale, kv_layout)
         return _torch_path(q, k, v, seq_lens, block_table, row_limits, sm_scale, kv_layout, window_left,
                            logit_softcap, sinks, return_lse, o_out, lse_out)
     new = prep is None
     if new:
         prep = _prepare(q, k, v, seq_lens, block_table, row_limits, sinks, (k_scale, v_scale), num_splits,
-                        kv_layout, plan, o_out, lse_out, geo, window_left, logit_softcap is not None, span, split_size,
-                        export is not None)
+                        kv_layout, plan, o_out, lse_out, geo, window_left, logit_softcap is not None, span, split_size)
     if o_out is not None:
         o = o_out
     else:
-        o = _dispatch.new_like(q) if prep.o_like_q else _dispatch.new_buffer(prep.shape, prep.dtype, prep.device)
+        o = _device.new_like(q) if prep.o_like_q else _device.new_buffer(prep.shape, prep.dtype, prep.device)
     if lse_out is None and return_lse:
-        lse_out = _dispatch.new_buffer(prep.lse_shape, torch.float32, prep.device)
+        lse_out = _device.new_buffer(prep.lse_shape, torch.float32, prep.device)
     if prep.launches:
         stream = torch._C._cuda_getCurrentRawStream(prep.cuda) if prep.cuda is not None else 0
-        ks, vs = (1.0, 1.0) if geo.kv_scale != 1 else (float(k_scale), float(v_scale))
-        cap = 1.0 if logit_softcap is None else float(logit_softcap) * LOG2E
-        scale = prep.sm_scale if sm_scale is None else float(sm_scale)
+        scale, ks, vs, cap = _scalars(prep.sm_scale, sm_scale, logit_softcap, k_scale, v_scale)
         _launch(prep, _scratch(prep, stream), q, k, v, seq_lens, block_table, row_limits, k_scale, v_scale, sinks, o,
                 lse_out, export, scale, ks, vs, cap)
     if new and key is not None:  # kept once launched: a later call with this key takes the launchers' direct path
@@ -559,50 +399,6 @@ def _checked_call(q, k, v, seq_lens, block_table, sm_scale, num_splits, kv_layou
             _PREPARED.clear()
         _PREPARED[key] = prep
     return AttentionState(o, lse_out) if return_lse else o
-
-
-def check_split_size(split_size, *, num_splits=None, plan=None, window_left=None) -> None:
-    if split_size is None:
-        return
-    check_int("split_size", split_size, 16)
-    if split_size % 16:
-        raise ValueError(f"split_size must be a multiple of 16, got {split_size}")
-    for name, value in (("num_splits", num_splits), ("plan", plan), ("window_left", window_left)):
-        if value is not None:
-            raise ValueError(f"split_size fixes the splits: {name} must be None with it, got {value!r}")
-
-
-def combine_exported(q, hkv: int, slots, n_slots: int, o, lse, sinks=None) -> None:
-    """Merge ``n_slots`` exported deterministic split states (``slots``, fp32, split-major: several ranks'
-    exports concatenated in rank order) into ``o`` (q's shape) and ``lse`` (``q.shape[:-1]``): the combine
-    that ``flash_decode(split_size=...)`` runs, so the bits are the same (Note [Deterministic splits])."""
-    from .ops._launch import launch
-    from .ops.split_kv import _combine_kernel, combine_launch_config, row_tiling
-
-    b, hq, d = q.shape[0], q.shape[-2], q.shape[-1]
-    q_rows = q.shape[1] if q.dim() == 4 else 1
-    constexprs, options, c_grid = combine_launch_config(hq // hkv, q_rows, d, sinks is not None)
-    multi = q.dim() == 4
-    launch(_combine_kernel, (b * hkv * row_tiling(q_rows, hq // hkv).n_rt, *c_grid),
-           (slots, q if sinks is None else sinks, o, lse, n_slots, hkv, *_bqh(o.stride(), multi),
-            *_bqh(lse.stride(), multi), sinks.stride(0) if sinks is not None else 0), constexprs, **options)
-
-
-def _dequantize(k, v, k_scale, v_scale, kv_layout, mode):
-    """``k.float() * k_scale``, ``v.float() * v_scale`` (per-head scales on the KV-head dim) for the torch
-    path; the cache itself when it is not FP8."""
-    if mode == 0:
-        return k, v
-    head_dim = 1 if kv_layout == "HND" else 2
-    out = []
-    for t, sc in ((k, k_scale), (v, v_scale)):
-        sc = torch.as_tensor(sc, dtype=torch.float32, device=t.device)
-        if sc.dim() == 1:
-            shape = [1, 1, 1, 1]
-            shape[head_dim] = sc.shape[0]
-            sc = sc.view(shape)
-        out.append(t.float() * sc)
-    return out
 
 
 def _torch_path(q, k, v, seq_lens, block_table, row_limits, sm_scale, kv_layout, window_left, logit_softcap, sinks,

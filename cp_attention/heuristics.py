@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import NamedTuple
 
 import torch
+
+from ._device import REFERENCE_SMS, num_sms, sm90, use_pdl
 
 __all__ = ["num_splits", "num_sms", "use_pdl", "one_warp_fp8", "one_warp_plan", "DecodeConfig", "DecodePlan",
            "FOUR_PER_SM", "FP8_TWO_WARPS", "FP8_ONE_WARP", "FP8_ONE_WARP_LONG", "FP8_ONE_WARP_FEW", "FP8_ROWS_32",
@@ -28,28 +29,10 @@ __all__ = ["num_splits", "num_sms", "use_pdl", "one_warp_fp8", "one_warp_plan", 
            "ONE_WARP_KEYS_PER_ROW", "FP8_TABLE_LOOP",
            "WIDE_HEADS", "WIDE_PAGES", "WIDE_FP8", "WIDE_FP8_TABLE_LOOP",
            "decode_config", "decode_plan", "deterministic_plan", "PrefixConfig", "PrefixPlan", "prefix_config",
-           "prefix_plan", "REFERENCE_SMS"]
+           "prefix_plan", "plan_decode", "REFERENCE_SMS"]
 
-# CPU tensors (the Triton interpreter) are planned as for the H200 the defaults were tuned on, so the
-# interpreter runs the split layouts the GPU runs.
-REFERENCE_SMS = 132
 # Shared memory one program may use on sm_90 (227 KB), for the programs-per-SM estimate.
 _SMEM_PER_SM = 227 * 1024
-
-_NUM_SMS: dict = {}
-_PDL: dict = {}
-_SM90: dict = {}
-
-
-def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA ``device`` (cached); :data:`REFERENCE_SMS` for other devices."""
-    if device.type != "cuda":
-        return REFERENCE_SMS
-    n = _NUM_SMS.get(device)
-    if n is None:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        n = _NUM_SMS[device] = torch.cuda.get_device_properties(index).multi_processor_count
-    return n
 
 
 def num_splits(work_items: int, slots: int, n_kv_blocks: int, max_splits: int = 128, *,
@@ -78,20 +61,6 @@ def num_splits(work_items: int, slots: int, n_kv_blocks: int, max_splits: int = 
     return next(s for s in sorted(eff) if eff[s] >= efficiency * best)
 
 
-def use_pdl(device: torch.device) -> bool:
-    """Whether kernels are launched with programmatic dependent launch on ``device`` (Note [Programmatic
-    dependent launch] in ``ops/split_kv.py``): CUDA devices of compute capability 9.0 or more, unless the
-    environment sets ``CP_ATTENTION_PDL=0`` (read once per device); never under the Triton interpreter."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    use = _PDL.get(device)
-    if use is None:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        use = _PDL[device] = (torch.cuda.get_device_capability(index)[0] >= 9
-                              and os.environ.get("CP_ATTENTION_PDL", "1") != "0")
-    return use
-
-
 def one_warp_fp8(device: torch.device, kv_dtype: torch.dtype, head_dim: int, rows: int, t_max: int,
                  plain: bool, page_size: int = 0) -> bool:
     """Whether a decode runs the one-warp FP8 kernel (``ops/split_kv_fp8.py``, Note [One-warp FP8 tiles]),
@@ -108,15 +77,8 @@ def one_warp_fp8(device: torch.device, kv_dtype: torch.dtype, head_dim: int, row
     False
     """
     max_rows = ONE_WARP_MAX_ROWS if head_dim == 128 else ONE_WARP_MAX_ROWS_256
-    if not (plain and device.type == "cuda" and kv_dtype.itemsize == 1 and head_dim in (128, 256)
-            and rows <= max_rows and t_max > 512) or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    use = _SM90.get(device)
-    if use is None:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        use = _SM90[device] = (torch.cuda.get_device_capability(index)[0] == 9
-                               and os.environ.get("CP_ATTENTION_ONE_WARP", "1") != "0")
-    return use
+    return (plain and device.type == "cuda" and kv_dtype.itemsize == 1 and head_dim in (128, 256) and rows <= max_rows
+            and t_max > 512 and sm90(device))
 
 
 def one_warp_plan(batch: int, num_kv_heads: int, t_max: int, num_sms: int, splits: int | None = None,
@@ -621,3 +583,40 @@ def prefix_plan(batch: int, group: int, num_kv_heads: int, n_read: int, t_max: i
         splits = prefix_num_splits(n_tiles * num_kv_heads, n_blocks, num_sms)
     tiles = math.ceil(n_blocks / min(splits, n_blocks))
     return PrefixPlan(config, n_tiles, math.ceil(n_blocks / tiles), tiles)
+
+
+def plan_decode(device: torch.device, batch: int, num_kv_heads: int, t_max: int, head_dim: int, dtype: torch.dtype,
+                kv_dtype: torch.dtype, q_rows: int, group: int, page_size: int, *, num_splits: int | None = None,
+                window_left: int | None = None, row_limits: bool = False, span: int | None = None,
+                split_size: int | None = None, plan: DecodePlan | None = None) -> DecodePlan:
+    """The plan :func:`cp_attention.flash_decode` runs: ``plan`` when given (checked against the one-warp FP8
+    kernel's domain), the deterministic splits of ``split_size``, else the one-warp FP8 kernel's plan where it
+    applies (:func:`one_warp_fp8`) and :func:`decode_plan` otherwise. A window (or a context-parallel rank's
+    share of one, ``span``) bounds the positions a call reads: the splits tile that reach from the first
+    position, not the whole cache."""
+    rows = q_rows * group
+    plain = split_size is None  # the domain of the one-warp FP8 kernel beyond dtype and shapes
+    if split_size is not None:
+        plan = deterministic_plan(t_max, head_dim, dtype, split_size)
+    elif plan is None:
+        reach = t_max if window_left is None else min(t_max, window_left + q_rows)
+        reach = reach if span is None else min(reach, span)
+        if one_warp_fp8(device, kv_dtype, head_dim, rows, reach, plain, page_size):
+            # splits from a whole tile below the first key
+            margin = FP8_ONE_WARP_LONG.block_n - 1 if window_left is not None or row_limits else 0
+            plan = one_warp_plan(batch, num_kv_heads, min(t_max, reach + margin), num_sms(device), num_splits,
+                                 page_size, rows, head_dim)  # None: splits too short for the rows' states
+        if plan is None:
+            plan = decode_plan(batch, num_kv_heads, reach, head_dim, dtype, num_sms(device), num_splits,
+                               kv_dtype=kv_dtype, page_size=page_size,
+                               aligned=window_left is None and not row_limits, rows=rows)
+    if plan.config in ONE_WARP_CONFIGS and not (
+            one_warp_fp8(device, kv_dtype, head_dim, rows, t_max, plain, page_size)
+            and plan.page_tiles == (page_size > 0 and page_size % plan.config.block_n == 0)
+            and (plan.page_tiles or not page_size or plan.config == FP8_ONE_WARP)
+            and not plan.split_pages and plan.streams == 1):
+        raise ValueError(f"plan: the one-warp FP8 configs run an FP8 cache of head dim 128 or 256 and more than "
+                         f"512 positions read by at most {ONE_WARP_MAX_ROWS} query rows per KV head, dense or paged "
+                         f"(page_tiles where a page holds whole tiles, else 16-key tiles with an entry a key), "
+                         f"without split_size, on an sm_90 GPU")
+    return plan

@@ -18,7 +18,7 @@ import torch
 from ._constants import FP8_DTYPES
 from ._validate import check_bool, check_kv_layout, check_tensor
 
-__all__ = ["quantize_kv", "quantize"]
+__all__ = ["quantize_kv", "quantize", "dequantize"]
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, head_dim: int) -> torch.Tensor:
@@ -31,6 +31,23 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, head_dim:
         shape[head_dim] = scale.shape[0]
         scale = scale.view(shape)
     return (x.float() / scale).clamp(-fmax, fmax).to(dtype)
+
+
+def dequantize(k: torch.Tensor, v: torch.Tensor, k_scale, v_scale, kv_layout: str = "HND"):
+    """``(k.float() * k_scale, v.float() * v_scale)`` of an FP8 cache (per-head scales along the KV-head dim:
+    1 for ``"HND"``, 2 for ``"NHD"``), for the torch paths; ``(k, v)`` themselves when the cache is not FP8."""
+    if k.dtype not in FP8_DTYPES:
+        return k, v
+    head_dim = 1 if kv_layout == "HND" else 2
+    out = []
+    for t, sc in ((k, k_scale), (v, v_scale)):
+        sc = torch.as_tensor(sc, dtype=torch.float32, device=t.device)
+        if sc.dim() == 1:
+            shape = [1] * t.dim()
+            shape[head_dim] = sc.shape[0]
+            sc = sc.view(shape)
+        out.append(t.float() * sc)
+    return tuple(out)
 
 
 def _amax_scale(x: torch.Tensor, dtype: torch.dtype, head_dim: int | None) -> torch.Tensor:

@@ -26,9 +26,9 @@ from typing import NamedTuple
 
 import torch
 
-from . import _dispatch
+from . import _device
 from ._constants import FLOAT_DTYPES, LN2, LOG2E
-from ._dispatch import use_triton
+from ._device import use_triton
 from ._validate import check_state, check_state_tensors, check_variants
 
 __all__ = ["AttentionState", "merge", "merge_states", "lse_to_base2", "lse_from_base2"]
@@ -101,8 +101,8 @@ def merge_states(o: torch.Tensor, lse: torch.Tensor, *, out_dtype: torch.dtype |
         o3 = o.reshape(n, m, d)
         if o3.stride(-1) != 1:
             o3 = o3.contiguous()
-        out_o = _dispatch.new_buffer(lead + (d,), out_dtype, o.device)
-        out_lse = _dispatch.new_buffer(lead, torch.float32, o.device)
+        out_o = _device.new_buffer(lead + (d,), out_dtype, o.device)
+        out_lse = _device.new_buffer(lead, torch.float32, o.device)
         merge_states_into(o3, lse.reshape(n, m), out_o.view(m, d), out_lse.view(m), sinks=sinks)
         return AttentionState(out_o, out_lse)
     out = _merge_states_torch(o, lse)

@@ -16,7 +16,7 @@ can check every step against the unsharded cache. Longer contexts generate only 
 batch are ragged: sequence ``b`` starts with ``context - b * (context // (4 * batch))`` tokens.
 ``--exchange`` runs the whole thing once per exchange named (how the ranks' states meet: ``symm``,
 NVLink symmetric memory; ``collective``, NCCL all-gather; ``auto``, the library's choice; see
-cp_attention/exchange.py) and reports each one's step time. Exits non-zero when a check fails.
+cp_attention/distributed/exchange.py) and reports each one's step time. Exits non-zero when a check fails.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cp_attention import flash_decode  # noqa: E402
 from cp_attention.distributed import CPKVCache, init_distributed, set_exchange  # noqa: E402
-from cp_attention.exchange import EXCHANGES, exchange_for  # noqa: E402
+from cp_attention.distributed.exchange import EXCHANGES, exchange_for  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # (atol, rtol) of the CP output against single-rank flash_decode: the CP path rounds the per-rank

@@ -12,8 +12,7 @@ context. Three kernels take their place, one launch each:
 Each follows ``transformers`` operation by operation: every intermediate the torch code rounds to the model
 dtype is rounded here too (float32 math in registers), so 16-bit results agree with the torch path up to the
 last-bit differences of ``rsqrt``/``exp`` (and of fused multiply-adds in float32). CUDA tensors run the kernels,
-CPU tensors run them under ``TRITON_INTERPRET=1`` and the torch code otherwise
-(:func:`cp_attention._dispatch.use_triton`).
+CPU tensors run them under ``TRITON_INTERPRET=1`` and the torch code otherwise (:func:`use_triton`).
 """
 from __future__ import annotations
 
@@ -22,8 +21,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from cp_attention._dispatch import next_pow2, use_triton
-from cp_attention._validate import check_unit_stride
+from triton import next_power_of_2 as next_pow2
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """CUDA tensors run the kernels; CPU tensors run them under the Triton interpreter (``TRITON_INTERPRET=1``)."""
+    return t.is_cuda or bool(triton.knobs.runtime.interpret)
+
 
 ACT_BLOCK = 1024  # gate/up columns per program of the gated activation
 
@@ -87,7 +91,8 @@ def _gated_act_kernel(GU, OUT, n_cols, stride_gu, stride_out, BLOCK: tl.constexp
 
 def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
     """``t [..., n]`` (unit stride in the last dim) as ``[rows, n]``, without a copy."""
-    check_unit_stride(name, t)
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dim (stride 1), got strides {t.stride()}")
     return t if t.dim() == 2 else t.view(-1, t.shape[-1])
 
 

@@ -28,7 +28,7 @@ def device():
 @pytest.fixture(autouse=True)
 def poison_kernel_outputs(monkeypatch):
     """Every buffer a kernel is meant to fill starts as NaN, so an unwritten element fails its test."""
-    import cp_attention._dispatch as dispatch
+    import cp_attention._device as dispatch
 
     monkeypatch.setattr(dispatch, "POISON_OUTPUTS", True)
 

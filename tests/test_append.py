@@ -10,7 +10,7 @@ kernel must leave the scratch region as it was (it writes only owned slots), and
 import pytest
 import torch
 
-import cp_attention._dispatch as dispatch
+import cp_attention._device as dispatch
 from cp_attention.distributed import CPKVCache
 
 B, HKV, D, MAX_LEN = 3, 3, 40, 23

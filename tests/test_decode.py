@@ -64,7 +64,7 @@ def test_combine_config_reads_the_splits_at_once_and_covers_the_head_dim(head_di
     splits keep the whole head dim and a BLOCK_S fixed by it (Note [Deterministic splits]: the bits a
     context-parallel merge reproduces); policy splits that fit the old config keep it, the others are read
     up to 256 at once."""
-    from cp_attention._dispatch import next_pow2
+    from cp_attention._device import next_pow2
     from cp_attention.ops.split_kv import combine_launch_config
 
     full = next_pow2(head_dim)

@@ -33,7 +33,7 @@ TOL_REF = {torch.float32: (2e-4, 2e-4), torch.bfloat16: (3e-2, 3e-2)}
 
 
 def _worker(rank, world, init_file, tasks, results):
-    import cp_attention._dispatch as dispatch
+    import cp_attention._device as dispatch
 
     dispatch.POISON_OUTPUTS = True  # every kernel/collective output starts as NaN
     torch.set_num_threads(1)
@@ -556,7 +556,7 @@ def case_exchange_choice(rank, world):
     """On gloo the exchange is the collective one whatever is asked, "symm" raises on every rank, and a bad
     name raises before anything is exchanged."""
     from cp_attention.distributed import set_exchange
-    from cp_attention.exchange import CollectiveExchange, exchange_for
+    from cp_attention.distributed.exchange import CollectiveExchange, exchange_for
 
     with pytest.raises(ValueError, match="kind must be one of"):
         set_exchange("nvshmem")
@@ -573,7 +573,7 @@ def case_exchange_choice(rank, world):
 def case_symm_exchange_falls_back(rank, world):
     """A symmetric-memory exchange given a buffer it did not allocate (a CPU one here, or one made during a
     CUDA-graph capture) merges through the collective path, bitwise as the collective exchange does."""
-    from cp_attention.exchange import CollectiveExchange, SymmMemExchange
+    from cp_attention.distributed.exchange import CollectiveExchange, SymmMemExchange
 
     symm, coll = SymmMemExchange(None), CollectiveExchange(None)
     g = torch.Generator().manual_seed(rank)

@@ -320,7 +320,7 @@ def test_given_one_warp_plans_match_the_cache(monkeypatch):
     """A given one-warp plan (Note [One-warp FP8 tiles]) past the device check: one table entry a tile
     (``page_tiles``) exactly where the pages hold whole tiles, else an entry a key in 16-key tiles, none on a
     dense cache; each mismatch is a ValueError before any launch."""
-    monkeypatch.setattr("cp_attention.decode.one_warp_fp8", lambda *args: True)
+    monkeypatch.setattr("cp_attention.heuristics.one_warp_fp8", lambda *args: True)
     q, k, v, sl = dense_cache(2, 8, 2, 64, 128, [64, 3], q_rows=None, dtype=torch.bfloat16)
     k8, v8, ks, vs = quantize_kv(k, v)
     mismatches = [(0, FP8_ONE_WARP, True), (16, FP8_ONE_WARP, False), (32, FP8_ONE_WARP_LONG, False),
@@ -345,16 +345,18 @@ def test_one_warp_kernel_takes_windows_row_limits_and_row_tiles(monkeypatch):
     deterministic splits, more than ONE_WARP_MAX_ROWS rows and splits of fewer than ONE_WARP_KEYS_PER_ROW keys a
     row (the states would rival the K/V) keep the Triton kernel. The launches are recorded, not run (a Gluon
     kernel has no interpreter path; tests/test_gpu.py runs them)."""
-    from cp_attention import decode, heuristics
+    from cp_attention import _device, decode, heuristics
     from cp_attention.ops import _launch
+
+    one_warp_fp8 = heuristics.one_warp_fp8
 
     def sm90(device, *args):  # the domain of an sm_90 device, outside the interpreter
         with monkeypatch.context() as m:
             m.delenv("TRITON_INTERPRET", raising=False)
-            return heuristics.one_warp_fp8(torch.device("cuda", 0), *args)
+            return one_warp_fp8(torch.device("cuda", 0), *args)
 
-    monkeypatch.setattr(decode, "one_warp_fp8", sm90)
-    monkeypatch.setattr(heuristics, "_SM90", {torch.device("cuda", 0): True})
+    monkeypatch.setattr(heuristics, "one_warp_fp8", sm90)
+    monkeypatch.setattr(_device, "_SM90", {torch.device("cuda", 0): True})
     monkeypatch.setattr(decode, "_PREPARED", {})
     monkeypatch.setattr(decode, "_LAST", (None, None))
     launches = []

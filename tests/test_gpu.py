@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 from cp_attention import AttentionState, CascadeLevel, cascade_decode, flash_decode, merge_states
 from cp_attention.distributed import CPKVCache, cp_flash_decode, merge_across_ranks, set_exchange, shard_kv
-from cp_attention.exchange import exchange_for
+from cp_attention.distributed.exchange import exchange_for
 from cp_attention.heuristics import (FP8_ONE_WARP, FP8_ONE_WARP_FEW, FP8_ONE_WARP_LONG, FP8_TABLE_LOOP, FP8_TWO_WARPS,
                                       ONE_WARP_PLAN_ROWS_256, WIDE_FP8, WIDE_FP8_TABLE_LOOP, WIDE_HEADS, WIDE_PAGES,
                                       decode_plan, num_sms, one_warp_fp8, one_warp_plan, table_pages)

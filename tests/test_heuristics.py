@@ -218,7 +218,7 @@ def test_one_warp_fp8_domain_and_plan(monkeypatch):
     e4m3 = torch.float8_e4m3fn
     assert not one_warp_fp8(torch.device("cpu"), e4m3, 128, 4, 131072, True)
     cuda = torch.device("cuda", 0)
-    monkeypatch.setattr("cp_attention.heuristics._SM90", {cuda: True})
+    monkeypatch.setattr("cp_attention._device._SM90", {cuda: True})
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert one_warp_fp8(cuda, e4m3, 128, 4, 131072, True)
     assert one_warp_fp8(cuda, torch.float8_e5m2, 128, 16, 513, True)

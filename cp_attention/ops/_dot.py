@@ -5,11 +5,11 @@ fp16/bf16 use the tensor cores. Triton's interpreter (3.9) multiplies bf16 tiles
 under ``TRITON_INTERPRET=1`` bf16 tiles are widened to fp32 first (exact: every bf16 value is an fp32
 value); compiled kernels keep the native bf16 ``mma``.
 """
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from .._device import interpreting
 
 
 @triton.jit
@@ -24,5 +24,5 @@ def dot_flags(dtype: torch.dtype) -> dict:
     """The ``INPUT_PRECISION``/``UPCAST`` constexprs for tiles of ``dtype``."""
     return {
         "INPUT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
-        "UPCAST": dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
+        "UPCAST": dtype == torch.bfloat16 and interpreting(),
     }

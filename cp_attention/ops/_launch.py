@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 import types
 
 import torch
 from triton import knobs
+
+from .._device import interpreting
 
 _Tensor = torch.Tensor
 
@@ -161,7 +162,7 @@ def launch(kernel, grid, args: tuple, constexprs: dict, **options) -> None:
 
     ``constexprs`` must name the kernel's trailing parameters in signature order.
     """
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreting():
         kernel[grid](*args, **constexprs, **options)
         return
     device = torch.cuda.current_device()

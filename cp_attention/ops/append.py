@@ -3,7 +3,7 @@ cache's lengths advanced, in one launch."""
 import triton
 import triton.language as tl
 
-from .._dispatch import next_pow2
+from .._device import next_pow2
 from ._launch import launch
 
 

@@ -4,7 +4,7 @@ exchange (``ops/symm_merge.py``, the producer's push)."""
 import triton
 import triton.language as tl
 
-from .._dispatch import next_pow2
+from .._device import next_pow2
 from ._launch import launch
 from ._state import add_sink, merge_tile
 from .symm_merge import push_rows

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from .. import _constants
-from .._dispatch import next_pow2
+from .._device import next_pow2
 from ._dot import dot_flags
 from ._launch import launch
 from ._state import attend_tiles, fp16_query, kv_bases, score_scales, split_range

@@ -82,7 +82,7 @@ from ._dot import dot_flags
 from ._launch import pdl_options
 from ._state import (add_sink, attend_tiles, first_position, fp16_query, kv_bases, merge_tile, score_scales,
                      split_range)
-from .._dispatch import next_pow2
+from .._device import next_pow2
 from ..heuristics import (FOUR_PER_SM, FP8_TABLE_LOOP, FP8_TWO_WARPS, ONE_WARP_CONFIGS, WIDE_FP8, WIDE_FP8_TABLE_LOOP,
                           WIDE_HEADS, WIDE_PAGES, DecodeConfig, decode_config)
 
@@ -374,6 +374,73 @@ def export_floats(batch: int, hkv: int, tiling: RowTiling, head_dim: int, num_sp
     """fp32 elements of the exported split states (Note [Split-KV decode])."""
     return num_splits * batch * hkv * tiling.n_rt * tiling.rows_t * (head_dim + 1)
 
+
+def _bqh(strides, multi: bool) -> tuple:
+    """(batch, row, head) strides from the strides of ``[B, Q, H, ...]``, or of ``[B, H, ...]`` (row 0)."""
+    return (strides[0], strides[1], strides[2]) if multi else (strides[0], 0, strides[1])
+
+
+def decode_launchers(q, k, v, seq_lens, block_table, row_limits, sinks, scales, kv_layout: str, plan, o_strides,
+                     lse_strides, *, hkv: int, q_rows: int, t_max: int, page_size: int, num_pages: int, kv_scale: int,
+                     window_left, softcap: bool, device: int | None, pdl: bool):
+    """``(split launcher, combine launcher or None, workspace floats)`` of one decode call: the split-KV kernel
+    of ``plan`` (the one-warp FP8 kernel for its configs, ``ops/split_kv_fp8.py``) and, where it exports split
+    states, :func:`_combine_kernel`, each a :class:`~cp_attention.ops._launch.Launcher` with its integer
+    arguments (sizes, strides) bound. Tensor arguments as in :func:`split_kv_launch_config`; ``scales`` the
+    ``(k_scale, v_scale)`` tensors for ``kv_scale == 2``; ``o_strides``/``lse_strides`` the strides of the
+    output's ``[B, (Q,) Hq, D]`` and ``[B, (Q,) Hq]``; ``device`` the CUDA device index (None: the interpreter).
+    """
+    from ._launch import Launcher
+
+    b, hq, d = q.shape[0], q.shape[-2], q.shape[-1]
+    multi = q.dim() == 4
+    group = hq // hkv
+    ks, vs = k.stride(), v.stride()
+    # The kernel reads k/v through (batch or page, KV head, position or slot) strides.
+    if kv_layout == "NHD":
+        ks, vs = (ks[0], ks[2], ks[1]), (vs[0], vs[2], vs[1])
+    constexprs, options, tiling = split_kv_launch_config(
+        q.dtype, group, q_rows, d, plan, has_seq_lens=seq_lens is not None, page_size=page_size,
+        causal=q_rows > 1 and row_limits is None, row_limits=row_limits is not None, kv_scale=kv_scale,
+        window=window_left is not None and row_limits is None, softcap=softcap, sinks=sinks is not None, pdl=pdl)
+    kernel = _split_kv_kernel
+    if plan.config in ONE_WARP_CONFIGS:
+        from .split_kv_fp8 import _split_kv_fp8_kernel
+
+        kernel, constexprs = _split_kv_fp8_kernel, dict(constexprs, NUM_STAGES=plan.config.num_stages)
+    grid = (b * hkv * tiling.n_rt, plan.num_splits)
+    o_strides, lse_strides = _bqh(o_strides, multi), _bqh(lse_strides, multi)
+    sink_stride = sinks.stride(0) if sinks is not None else 0
+    int_args = (t_max, plan.tiles_per_split, hkv, num_pages, window_left or 0,
+                *_bqh(q.stride(), multi), ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], *o_strides, *lse_strides,
+                seq_lens.stride(0) if seq_lens is not None else 0,
+                *(block_table.stride() if block_table is not None else (0, 0)),
+                *(row_limits.stride() if row_limits is not None else (0, 0, 0)),
+                *((sc.stride(0) if sc.dim() else 0) if kv_scale == 2 else 0 for sc in scales), sink_stride)
+    launcher = Launcher(kernel, grid, constexprs, device=device, static=int_args, **options)
+    if not exports(plan):
+        return launcher, None, 0
+    c_constexprs, c_options, c_grid = combine_launch_config(
+        group, q_rows, d, sinks is not None, None if plan.deterministic else plan.num_splits, pdl,
+        plan.config.programs > 1, tiling.block_h)
+    combine = Launcher(_combine_kernel, (grid[0], *c_grid), c_constexprs, device=device,
+                       static=(plan.num_splits, hkv, *o_strides, *lse_strides, sink_stride), **c_options)
+    return launcher, combine, export_floats(b, hkv, tiling, d, plan.num_splits)
+
+
+def combine_exported(q, hkv: int, slots, n_slots: int, o, lse, sinks=None) -> None:
+    """Merge ``n_slots`` exported deterministic split states (``slots``, fp32, split-major: several ranks'
+    exports concatenated in rank order) into ``o`` (q's shape) and ``lse`` (``q.shape[:-1]``): the combine
+    that ``flash_decode(split_size=...)`` runs, so the bits are the same (Note [Deterministic splits])."""
+    from ._launch import launch
+
+    b, hq, d = q.shape[0], q.shape[-2], q.shape[-1]
+    q_rows = q.shape[1] if q.dim() == 4 else 1
+    constexprs, options, c_grid = combine_launch_config(hq // hkv, q_rows, d, sinks is not None)
+    multi = q.dim() == 4
+    launch(_combine_kernel, (b * hkv * row_tiling(q_rows, hq // hkv).n_rt, *c_grid),
+           (slots, q if sinks is None else sinks, o, lse, n_slots, hkv, *_bqh(o.stride(), multi),
+            *_bqh(lse.stride(), multi), sinks.stride(0) if sinks is not None else 0), constexprs, **options)
 
 def _aot_spec(group, q_rows, export, page_size=0, causal=False, row_limits=False, block_n=128, kv="bf16",
               kv_scale=0, window=False, softcap=False, sinks=False, head_dim=128, split_pages=0, config=None,

@@ -76,7 +76,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from .._dispatch import cdiv, next_pow2
+from .._device import cdiv, next_pow2
 from ._launch import launch, pdl_options
 from ._state import add_sink, finalize, fold_states
 

@@ -29,14 +29,14 @@ import socket
 import torch
 import torch.distributed as dist
 
-from . import _dispatch
-from .heuristics import use_pdl
-from .ops.symm_merge import buffer_words, push_plan, symm_merge_into
-from .state import AttentionState, merge_states
+from .. import _device
+
+from ..ops.symm_merge import buffer_words, push_plan, symm_merge_into
+from ..state import AttentionState, merge_states
 
 EXCHANGES = ("auto", "symm", "collective")
 # torch >= 2.13 names the one-tensor all-gather all_gather_single; older releases all_gather_into_tensor.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class Push:
@@ -60,13 +60,13 @@ class CollectiveExchange:
 
     def packed_buffer(self, shape, device) -> torch.Tensor:
         """A float32 buffer ``shape = [..., D + 1]`` for this rank's packed states."""
-        return _dispatch.new_buffer(tuple(shape), torch.float32, device)
+        return _device.new_buffer(tuple(shape), torch.float32, device)
 
     def gather(self, packed) -> torch.Tensor:
         """``[W, *packed.shape]``: every rank's ``packed`` in rank order."""
-        gathered = _dispatch.new_buffer((self.world,) + tuple(packed.shape), torch.float32, packed.device)
+        gathered = _device.new_buffer((self.world,) + tuple(packed.shape), torch.float32, packed.device)
         # Flat 1-D buffers: every backend accepts a concatenation along dim 0 (gloo rejects a stack).
-        _all_gather_single(gathered.view(-1), packed.reshape(-1), group=self.group)
+        all_gather_single(gathered.view(-1), packed.reshape(-1), group=self.group)
         return gathered
 
     def push_target(self, packed):
@@ -122,7 +122,7 @@ class SymmMemExchange(CollectiveExchange):
         if entry is None:
             return super().packed_buffer(shape, device)
         slot = entry[1]
-        if _dispatch.POISON_OUTPUTS:
+        if _device.POISON_OUTPUTS:
             slot.fill_(float("nan"))
         return slot
 
@@ -146,11 +146,11 @@ class SymmMemExchange(CollectiveExchange):
         d = packed.shape[-1] - 1
         lead = tuple(packed.shape[:-1])
         m = math.prod(lead)
-        o = _dispatch.new_buffer(lead + (d,), out_dtype, packed.device)
-        lse = _dispatch.new_buffer(lead, torch.float32, packed.device)
+        o = _device.new_buffer(lead + (d,), out_dtype, packed.device)
+        lse = _device.new_buffer(lead, torch.float32, packed.device)
         if m:
             symm_merge_into(entry[2], self.rank, self.world, m, d, o.view(m, d), lse.view(m), sinks=sinks,
-                            pdl=use_pdl(packed.device), pushed=push is not None and push.done)
+                            pdl=_device.use_pdl(packed.device), pushed=push is not None and push.done)
         return AttentionState(o, lse)
 
 

@@ -1,0 +1,269 @@
+"""``CPKVCache``: one rank's shard of a KV cache for context-parallel decode (interleaved placement)."""
+from __future__ import annotations
+
+import numbers
+
+import torch
+import torch.distributed as dist
+
+from .. import _device
+from .._constants import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES
+from .._validate import check_int, check_kv_scales, check_tensor, check_unit_stride
+from .decode import cp_decode
+from .shard import interleaved_counts, shard_kv
+
+__all__ = ["CPKVCache"]
+
+
+class CPKVCache:
+    """One rank's shard of a KV cache for context-parallel decode, interleaved placement, dense or paged.
+
+    Global position ``p`` of every sequence lives on rank ``p % W`` at local slot ``p // W`` (the
+    ``"interleaved"`` placement of :func:`shard_kv`), so decode tokens go round-robin and the shards stay
+    balanced. Every rank calls :meth:`append` with the same tokens; only the owner of each stores it.
+
+    Attributes:
+        k, v: dense: ``[B, Hkv, capacity, D]`` views of this rank's buffers (``capacity = ceil(max_seq_len
+            / W)``); paged (``page_size`` given): page pools ``[num_pages, page_size, Hkv, D]`` (the vLLM /
+            FlashInfer layout) read through :attr:`block_table`.
+        block_table: ``[B, pages_per_sequence]`` int32 (paged), else ``None``.
+        kv_layout: ``"HND"`` (dense) or ``"NHD"`` (paged): how :meth:`decode` reads :attr:`k`/:attr:`v`.
+        seq_lens: ``[B]`` int32 on ``device``: valid tokens of this shard.
+        global_seq_lens: ``[B]`` int64 on ``device``: length of each whole sequence.
+
+    Multi-token steps (speculative decoding). :meth:`append` takes ``Q`` tokens per sequence at once and
+    places each by its global position; :meth:`decode` with ``Q`` query rows applies the causal rule in
+    global positions: row ``i`` sees the global positions ``< L - Q + 1 + i`` (``L`` the sequence's
+    length), which on this rank are its local slots ``< ceil((L - Q + 1 + i - rank) / W)``;
+    :meth:`rollback` drops rejected drafts.
+
+    CUDA graphs. :meth:`append` decides owners and slots on the device from ``global_seq_lens``; a
+    non-owner writes nothing (the Triton kernel decides on the device) or, on the torch path, into a
+    scratch slot (dense) or scratch page (paged) that is never read, so every rank runs the same kernels
+    whatever the step. Hence one captured graph of ``cache.append(k_in, v_in);
+    o_out.copy_(cache.decode(q_in, check_metadata=False))`` with static ``k_in``, ``v_in``, ``q_in`` (fill
+    them with ``copy_`` before each replay) is replayed step after step. The host-side count that guards
+    the capacity is not advanced by replays: the caller bounds them by :attr:`free_slots` (beyond it,
+    tokens are dropped on the device, never written out of bounds).
+
+    >>> cache = CPKVCache(2, 8, 128, max_seq_len=4096, rank=dist.get_rank(), world_size=dist.get_world_size())
+    >>> cache.append(k_tok, v_tok)     # [2, 8, 128] each, the same on every rank
+    >>> o = cache.decode(q)            # [2, Hq, 128], attention over all appended tokens
+    """
+
+    def __init__(self, batch, heads_kv, head_dim, max_seq_len, *, dtype=torch.bfloat16, device=None,
+                 rank=None, world_size=None, group=None, page_size=None, k_scale=None, v_scale=None):
+        """Empty cache for ``batch`` sequences of up to ``max_seq_len`` tokens each (all ranks together);
+        ``page_size`` (int >= 1): keep the shard in pages of that many slots. An FP8 ``dtype``
+        (``float8_e4m3fn``/``float8_e5m2``) needs the dequantisation scales ``k_scale``/``v_scale`` (as in
+        :func:`flash_decode`); :meth:`append` then quantises float16/bfloat16/float32 tokens with them.
+
+        ``rank`` and ``world_size`` default to this process's rank and size in ``group``.
+        """
+        batch = check_int("batch", batch, 1)
+        heads_kv = check_int("heads_kv", heads_kv, 1)
+        head_dim = check_int("head_dim", head_dim, 1)
+        max_seq_len = check_int("max_seq_len", max_seq_len, 1)
+        if page_size is not None:
+            page_size = check_int("page_size", page_size, 1)
+        if dtype not in FLOAT_DTYPES + FP8_DTYPES:
+            raise TypeError(f"dtype must be one of {FLOAT_DTYPES + FP8_DTYPES}, got {dtype}")
+        device = torch.device("cpu") if device is None else torch.device(device)
+        if device.type == "cuda" and device.index is None:  # where torch puts tensors made on "cuda"
+            device = torch.device("cuda", torch.cuda.current_device())
+        check_kv_scales(k_scale, v_scale, dtype, torch.bfloat16, heads_kv, device)
+        self.k_scale, self.v_scale = k_scale, v_scale
+        world_size = dist.get_world_size(group) if world_size is None else world_size
+        world_size = check_int("world_size", world_size, 1)
+        rank = dist.get_rank(group) if rank is None else rank
+        self.rank = check_int("rank", rank, 0, world_size - 1)
+        self.world_size = world_size
+        self.group = group
+        self.max_seq_len = max_seq_len
+        self.capacity = -(-max_seq_len // world_size)
+        self.page_size = page_size
+        if page_size is None:
+            shape = (batch, heads_kv, self.capacity + 1, head_dim)  # + 1: the scratch slot of non-owners
+            self._k = torch.zeros(shape, dtype=dtype, device=device)
+            self._v = torch.zeros(shape, dtype=dtype, device=device)
+            self.k = self._k[:, :, : self.capacity]
+            self.v = self._v[:, :, : self.capacity]
+            self.block_table, self.kv_layout = None, "HND"
+        else:
+            pages = -(-self.capacity // page_size)
+            # Sequence b owns pages [b * pages, (b + 1) * pages); the last page is the scratch page.
+            shape = (batch * pages + 1, page_size, heads_kv, head_dim)
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
+            self.block_table = torch.arange(batch * pages, dtype=torch.int32, device=device).view(batch, pages)
+            self.kv_layout = "NHD"
+        self.seq_lens = torch.zeros(batch, dtype=torch.int32, device=device)
+        self.global_seq_lens = torch.zeros(batch, dtype=torch.int64, device=device)
+        self._batch_idx = torch.arange(batch, device=device)
+        self._host_max_len = 0
+
+    @classmethod
+    def from_prefix(cls, k, v, seq_lens, max_seq_len, *, rank=None, world_size=None, group=None, page_size=None,
+                    dtype=None, k_scale=None, v_scale=None):
+        """Cache holding this rank's interleaved shard of a prefix ``k``, ``v`` ``[B, Hkv, T, D]`` with
+        ``seq_lens [B]`` (``None``: all ``T``), room for ``max_seq_len >= T`` tokens per sequence. ``dtype``
+        (default k's) may be FP8: the prefix is quantised with ``k_scale``/``v_scale``, or with the per-tensor
+        amax scales of :func:`cp_attention.quantize_kv` of the whole prefix when they are not given (the same
+        on every rank, which holds the same prefix).
+
+        >>> cache = CPKVCache.from_prefix(k, v, seq_lens, max_seq_len=k.shape[2] + 64)
+        """
+        check_tensor("k", k, dtypes=FLOAT_DTYPES + FP8_DTYPES, ndim=4)
+        b, hkv, t, d = k.shape
+        if isinstance(max_seq_len, numbers.Integral) and max_seq_len < t:
+            raise ValueError(f"max_seq_len must be >= the prefix capacity T = {t}, got {max_seq_len}")
+        dtype = k.dtype if dtype is None else dtype
+        if dtype in FP8_DTYPES and k.dtype not in FP8_DTYPES and k_scale is None and v_scale is None:
+            from ..quant import quantize_kv
+
+            k, v, k_scale, v_scale = quantize_kv(k, v, dtype)
+        cache = cls(b, hkv, d, max_seq_len, dtype=dtype, device=k.device, rank=rank, world_size=world_size,
+                    group=group, page_size=page_size, k_scale=k_scale, v_scale=v_scale)
+        k_shard, v_shard, _ = shard_kv(k, v, seq_lens, cache.rank, cache.world_size, "interleaved")
+        n = k_shard.shape[2]
+        slots = torch.arange(n, device=k.device).expand(b, n)
+        cache._store(slots, torch.ones_like(slots, dtype=torch.bool), k_shard.transpose(1, 2), v_shard.transpose(1, 2))
+        cache.set_lengths(torch.full((b,), t, device=k.device) if seq_lens is None else seq_lens)
+        return cache
+
+    def _store(self, slots, mine, k_rows, v_rows) -> None:
+        """Write ``k_rows``/``v_rows [B, n, Hkv, D]`` at local ``slots [B, n]`` where ``mine`` (quantised with
+        the cache's scales if it is FP8 and they are not); the others go to the scratch slot or page."""
+        k_rows, v_rows = self._quantized(k_rows, v_rows)
+        b_idx = self._batch_idx[:, None].expand_as(slots)
+        if self.block_table is None:
+            slot = torch.where(mine, slots, self.capacity)
+            self._k[b_idx, :, slot] = k_rows
+            self._v[b_idx, :, slot] = v_rows
+        else:
+            page_col = (slots // self.page_size).clamp(max=self.block_table.shape[1] - 1)
+            page = torch.where(mine, self.block_table[b_idx, page_col].long(), self.k.shape[0] - 1)
+            off = torch.where(mine, slots % self.page_size, 0)
+            self.k[page, off] = k_rows
+            self.v[page, off] = v_rows
+
+    def _quantized(self, k_rows, v_rows):
+        """``k_rows``/``v_rows [B, n, Hkv, D]`` in the cache's dtype: float rows quantised with the scales of an
+        FP8 cache, others as they are."""
+        if self.k.dtype not in FP8_DTYPES or k_rows.dtype in FP8_DTYPES:
+            return k_rows, v_rows
+        from ..quant import quantize
+
+        return tuple(quantize(x, torch.as_tensor(sc, dtype=torch.float32, device=x.device), self.k.dtype, 2)
+                     for x, sc in ((k_rows, self.k_scale), (v_rows, self.v_scale)))
+
+    def set_lengths(self, seq_lens) -> None:
+        """Declare the whole-sequence lengths ``seq_lens [B]`` (int, ``<= max_seq_len``) of the tokens already
+        in the buffers (interleaved placement); sets :attr:`seq_lens` to this rank's share. One host sync.
+
+        Used after filling :attr:`k`/:attr:`v` directly, e.g. with a shard generated on this rank.
+        """
+        check_tensor("seq_lens", seq_lens, dtypes=INDEX_DTYPES, ndim=1, device=self.seq_lens.device)
+        if seq_lens.shape[0] != self.seq_lens.shape[0]:
+            raise ValueError(f"seq_lens must have shape [{self.seq_lens.shape[0]}], got {tuple(seq_lens.shape)}")
+        lo, hi = int(seq_lens.min()), int(seq_lens.max())
+        if lo < 0 or hi > self.max_seq_len:
+            raise ValueError(f"seq_lens must lie in [0, {self.max_seq_len}] (max_seq_len), got [{lo}, {hi}]")
+        self.global_seq_lens.copy_(seq_lens)
+        self.seq_lens.copy_(interleaved_counts(self.global_seq_lens, self.rank, self.world_size))
+        self._host_max_len = hi
+
+    @property
+    def free_slots(self) -> int:
+        """Appends left before the longest sequence reaches ``max_seq_len`` (host-side count)."""
+        return self.max_seq_len - self._host_max_len
+
+    def append(self, k_new, v_new) -> None:
+        """Append one token (``[B, Hkv, D]``) or ``Q`` tokens (``[B, Q, Hkv, D]``) per sequence, in the
+        cache's dtype (an FP8 cache also takes float16/bfloat16/float32 tokens and quantises them with its
+        scales) and device, the same on every rank, unit stride in D. Global position ``len + j`` goes to
+        rank ``(len + j) % W``; no host sync. With the Triton kernels one launch stores the tokens and
+        advances the lengths (``ops/append.py``; non-owners write nothing)."""
+        b, hkv, d = self.seq_lens.shape[0], self._heads_kv, self._head_dim
+        dtypes = (self.k.dtype,) + (FLOAT_DTYPES if self.k.dtype in FP8_DTYPES else ())
+        for name, t in (("k_new", k_new), ("v_new", v_new)):
+            check_tensor(name, t, dtypes=dtypes, device=self.k.device)
+            check_unit_stride(name, t)
+            if t.dim() == 3:
+                t = t.unsqueeze(1)
+            if t.dim() != 4 or t.shape[0] != b or tuple(t.shape[2:]) != (hkv, d):
+                raise ValueError(f"{name} must have shape [{b}, {hkv}, {d}] or [{b}, Q, {hkv}, {d}] "
+                                 f"([B, Hkv, D] or [B, Q, Hkv, D]), got {tuple(t.shape)}")
+        if k_new.shape != v_new.shape:
+            raise ValueError(f"v_new must have k_new's shape {tuple(k_new.shape)}, got {tuple(v_new.shape)}")
+        if k_new.dim() == 3:
+            k_new, v_new = k_new.unsqueeze(1), v_new.unsqueeze(1)
+        n = k_new.shape[1]
+        if self.free_slots < n:
+            raise RuntimeError(f"CPKVCache is full: {n} more tokens would pass max_seq_len = {self.max_seq_len} "
+                               f"({self.free_slots} free)")
+        if _device.use_triton(self.k):
+            from ..ops.append import append_tokens
+
+            k_new, v_new = self._quantized(k_new, v_new)
+            append_tokens(k_new, v_new, self.k, self.v, self.block_table, self.seq_lens, self.global_seq_lens,
+                          self.rank, self.world_size, self.capacity)
+        else:
+            pos = self.global_seq_lens[:, None] + torch.arange(n, device=self.k.device)  # [B, n] global positions
+            slots = torch.div(pos, self.world_size, rounding_mode="floor")
+            mine = (pos.remainder(self.world_size) == self.rank) & (slots < self.capacity)
+            self._store(slots, mine, k_new, v_new)
+            self.seq_lens += mine.sum(1).to(self.seq_lens.dtype)
+            self.global_seq_lens += n
+        self._host_max_len += n
+
+    def rollback(self, n) -> None:
+        """Drop the last ``n`` tokens of each sequence (rejected drafts): an int, or ``[B]`` int tensor on the
+        cache's device (no host sync). The slots are overwritten by later appends. The host-side capacity
+        count only moves back for an int ``n``."""
+        if isinstance(n, torch.Tensor):
+            check_tensor("n", n, dtypes=INDEX_DTYPES, ndim=1, device=self.global_seq_lens.device)
+            if n.shape[0] != self.global_seq_lens.shape[0]:
+                raise ValueError(f"n must have shape [{self.global_seq_lens.shape[0]}], got {tuple(n.shape)}")
+            drop = n.long().clamp(min=0)
+        else:
+            drop = check_int("n", n, 0)
+            self._host_max_len = max(0, self._host_max_len - drop)
+        self.global_seq_lens.sub_(drop).clamp_(min=0)
+        self.seq_lens.copy_(interleaved_counts(self.global_seq_lens, self.rank, self.world_size))
+
+    def decode(self, q, **kwargs):
+        """Attention of ``q [B, Hq, D]``, or ``q [B, Q, Hq, D]`` with the causal rule in global positions,
+        over the cache, merged across the ranks (all ranks call it); ``kwargs`` as in
+        :func:`cp_flash_decode`, plus ``window_left`` (in global positions, as in :func:`flash_decode`)."""
+        for own in ("block_table", "kv_layout", "k_scale", "v_scale"):
+            if own in kwargs:
+                raise TypeError(f"CPKVCache.decode takes no {own} (the cache has its own)")
+        check_metadata = kwargs.pop("check_metadata", True)
+        window = kwargs.pop("window_left", None)
+        if window is not None:
+            check_int("window_left", window, 0)
+        row_limits = span = None
+        n_q = q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 4 else 1
+        if n_q > 1 or window is not None:
+            # Row i sees the global positions [L - Q + i - W, L - Q + 1 + i): on this rank, the owned slots
+            # below each end (interleaved placement: counted, not searched).
+            end = self.global_seq_lens[:, None] - n_q + 1 + torch.arange(n_q, device=self.seq_lens.device)
+            first = end - 1 - window if window is not None else torch.zeros_like(end)
+            row_limits = torch.stack([interleaved_counts(x.clamp(min=0), self.rank, self.world_size)
+                                      for x in (first, end)], dim=-1).to(torch.int32)
+            if window is not None:
+                span = -(-(window + n_q) // self.world_size) + 1
+        if self.k_scale is not None:
+            kwargs = dict(kwargs, k_scale=self.k_scale, v_scale=self.v_scale)
+        return cp_decode(q, self.k, self.v, self.seq_lens, group=self.group, check_metadata=check_metadata,
+                          row_limits=row_limits, span=span, kwargs=dict(kwargs, block_table=self.block_table,
+                                                                        kv_layout=self.kv_layout))
+
+    @property
+    def _heads_kv(self) -> int:
+        return self.k.shape[1] if self.block_table is None else self.k.shape[2]
+
+    @property
+    def _head_dim(self) -> int:
+        return self.k.shape[3]
