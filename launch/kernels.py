@@ -173,16 +173,3 @@ def gated_act(gate_up: torch.Tensor, gelu: bool = False) -> torch.Tensor:
     _gated_act_kernel[(rows.shape[0], triton.cdiv(n, ACT_BLOCK))](rows, outr, n, rows.stride(0), outr.stride(0),
                                                                   BLOCK=ACT_BLOCK, num_warps=4)
     return out
-
-
-# sm_90 compiles of this file's kernels for tests/test_aot.py (Llama-3-8B shapes).
-AOT_SPECS = [
-    {"kernel": _rmsnorm_kernel, "signature": {"X": "*bf16", "DELTA": "*bf16", "W": "*bf16", "H": "*bf16", "eps": "fp32"},
-     "constexprs": {"HAS_DELTA": delta, "GEMMA": gemma, "BLOCK": 4096}, "options": {"num_warps": 8}}
-    for delta, gemma in ((True, False), (False, True))
-] + [
-    {"kernel": _rope_kernel, "signature": {"QKV": "*bf16", "COS": "*bf16", "SIN": "*bf16"},
-     "constexprs": {"N_HEADS": 40, "HALF": 64, "BLOCK_H": 64, "BLOCK_HALF": 64}, "options": {"num_warps": 8}},
-    {"kernel": _gated_act_kernel, "signature": {"GU": "*bf16", "OUT": "*bf16"},
-     "constexprs": {"BLOCK": ACT_BLOCK}, "options": {"num_warps": 4}},
-]

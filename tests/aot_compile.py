@@ -1,4 +1,5 @@
-"""Compile every ``AOT_SPECS`` entry of cp_attention/ops (and launch/kernels.py) for sm_90 and print a JSON report.
+"""Compile every spec of tests/aot_specs.py (the kernels of cp_attention/ops and launch/kernels.py) for sm_90 and
+print a JSON report.
 
 Run in its own process (the interpreter must be off so ``@triton.jit`` gives compilable functions);
 tests/test_aot.py drives it.
@@ -11,6 +12,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)
 
@@ -21,6 +23,9 @@ from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 import cp_attention.ops as ops_pkg  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from aot_specs import specs_by_module  # noqa: E402
 
 
 def compile_spec(spec):
@@ -54,11 +59,12 @@ def resource_usage(cubin: bytes) -> dict:
 def main():
     report = {"specs": [], "unregistered": []}
     # the library's kernels, and the model kernels of launch/generate.py
+    by_module = specs_by_module()
     names = [f"cp_attention.ops.{info.name}" for info in pkgutil.iter_modules(ops_pkg.__path__)] + ["launch.kernels"]
     for name in names:
         mod = importlib.import_module(name)
         short = name.rsplit(".", 1)[1]
-        specs = getattr(mod, "AOT_SPECS", [])
+        specs = by_module.get(name, [])
         registered = {id(s["kernel"]) for s in specs}
         for fn_name, fn in vars(mod).items():
             if isinstance(fn, JITFunction) and fn_name.endswith("_kernel") and id(fn) not in registered:

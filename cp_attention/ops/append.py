@@ -66,25 +66,18 @@ def append_tokens(k_new, v_new, k, v, block_table, seq_lens, global_seq_lens, ra
     else:
         page_size, stride_row, stride_head, stride_slot = 1, k.stride(0), k.stride(1), k.stride(2)
         stride_bt = (0, 0)
-    block_h, block_d = next_pow2(hkv), next_pow2(d)
+    constexprs, options = append_launch_config(hkv, d, paged)
     launch(
         _append_kernel, (b,),
         (k_new, v_new, k, v, block_table if paged else seq_lens, seq_lens, global_seq_lens,
          n, rank, world_size, capacity, page_size, hkv,
          *k_new.stride()[:3], *v_new.stride()[:3], stride_row, stride_slot, stride_head, *stride_bt),
-        dict(HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d, PAGED=paged),
-        num_warps=4 if block_h * block_d >= 1024 else 1,
+        constexprs, **options,
     )
 
 
-# Realistic sm_90 compiles of this file's kernel (Llama 3 8B's KV heads), checked on the CPU by tests/test_aot.py.
-AOT_SPECS = [
-    {
-        "kernel": _append_kernel,
-        "signature": {"K_NEW": "*bf16", "V_NEW": "*bf16", "K": "*bf16", "V": "*bf16", "BLOCK_TABLE": "*i32",
-                      "SEQ_LENS": "*i32", "GLOBAL_SEQ_LENS": "*i64"},
-        "constexprs": {"HEAD_DIM": 128, "BLOCK_H": 8, "BLOCK_D": 128, "PAGED": paged},
-        "options": {"num_warps": 4},
-    }
-    for paged in (False, True)
-]
+def append_launch_config(hkv: int, d: int, paged: bool) -> tuple:
+    """``(constexprs, options)`` of :func:`_append_kernel` for ``hkv`` KV heads of head dim ``d``."""
+    block_h, block_d = next_pow2(hkv), next_pow2(d)
+    return (dict(HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d, PAGED=paged),
+            dict(num_warps=4 if block_h * block_d >= 1024 else 1))

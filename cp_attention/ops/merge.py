@@ -46,21 +46,27 @@ def merge_states_into(o, lse, o_out, lse_out, sinks=None, one_warp=False, push=N
     n, m, d = o.shape
     if m == 0:
         return
-    block_m, block_s, num_warps = merge_config(n, d, one_warp)
     buf_ptrs, rank, world, exchange_block_m = push if push is not None else (lse, 0, 1, 0)
-    if exchange_block_m % block_m:
-        raise ValueError(f"push: exchange programs of {exchange_block_m} rows cannot own whole programs of {block_m}")
-    block_d = next_pow2(d)
     has_sinks = sinks is not None
+    constexprs, options = merge_launch_config(n, d, has_sinks, one_warp, world, exchange_block_m)
     launch(
-        _merge_states_kernel, (-(-m // block_m),),
+        _merge_states_kernel, (-(-m // constexprs["BLOCK_M"]),),
         (o, lse, sinks if has_sinks else lse, o_out, lse_out, buf_ptrs, n, m, sinks.shape[0] if has_sinks else 1,
          rank, o.stride(0), o.stride(1), lse.stride(0), lse.stride(1), o_out.stride(0), lse_out.stride(0),
          sinks.stride(0) if has_sinks else 0),
-        dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_S=block_s, BLOCK_D=block_d, HAS_SINKS=has_sinks, WORLD=world,
-             EXCHANGE_BLOCK_M=exchange_block_m),
-        num_warps=num_warps,
+        constexprs, **options,
     )
+
+
+def merge_launch_config(n: int, d: int, sinks: bool, one_warp: bool = False, world: int = 1,
+                        exchange_block_m: int = 0) -> tuple:
+    """``(constexprs, options)`` of :func:`_merge_states_kernel` merging ``n`` states of head dim ``d``
+    (:func:`merge_config`); ``world``/``exchange_block_m``: the push to a symmetric-memory exchange's peers."""
+    block_m, block_s, num_warps = merge_config(n, d, one_warp)
+    if exchange_block_m % block_m:
+        raise ValueError(f"push: exchange programs of {exchange_block_m} rows cannot own whole programs of {block_m}")
+    return (dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_S=block_s, BLOCK_D=next_pow2(d), HAS_SINKS=sinks, WORLD=world,
+                 EXCHANGE_BLOCK_M=exchange_block_m), dict(num_warps=num_warps))
 
 
 def merge_config(n: int, d: int, one_warp: bool) -> tuple:
@@ -80,19 +86,3 @@ def merge_config(n: int, d: int, one_warp: bool) -> tuple:
         return max(1, min(4, 4096 // (block_s * block_d))), block_s, 1
     block_m = max(1, min(8, 4096 // (block_s * block_d)))
     return block_m, block_s, 4 if block_m * block_s * block_d >= 2048 else 1
-
-
-# Realistic sm_90 compiles of this file's kernel, checked on the CPU by tests/test_aot.py.
-AOT_SPECS = [
-    {
-        "kernel": _merge_states_kernel,
-        "signature": {"O": "*bf16", "LSE": "*fp32", "SINKS": "*fp32", "O_OUT": "*bf16", "LSE_OUT": "*fp32",
-                      "BUF_PTRS": "*i64"},
-        "constexprs": {"HEAD_DIM": 128, "BLOCK_M": block_m, "BLOCK_S": block_s, "BLOCK_D": 128, "HAS_SINKS": sinks,
-                       "WORLD": world, "EXCHANGE_BLOCK_M": exchange_block_m},
-        "options": {"num_warps": warps},
-    }
-    for sinks in (False, True)
-    for block_m, block_s, warps, world, exchange_block_m in ((2, 16, 4, 1, 0), (4, 8, 1, 1, 0), (4, 8, 1, 2, 16),
-                                                              (2, 16, 1, 4, 8))
-]

@@ -106,28 +106,6 @@ def _prefix_kernel(
     tl.store(LSE_PART + i_s64 * stride_ls + o_out, b_lse, mask=m_m)
 
 
-# Realistic sm_90 compiles of this file's kernel (bf16, D = 128, Hq/Hkv = 4), checked by tests/test_aot.py:
-# one segment read by all, dense; segments with ids and lengths; paged segments with 4 causal rows; paged FP8
-# segments with per-head scales and a logit softcap.
-_PTRS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "SEQ_LENS": "*i32", "BLOCK_TABLE": "*i32", "PERM": "*i64",
-         "TILES": "*i32", "K_SCALE": "*fp32", "V_SCALE": "*fp32", "O_PART": "*fp32", "LSE_PART": "*fp32",
-         "sm_scale": "fp32", "k_scale": "fp32", "v_scale": "fp32", "cap": "fp32"}
-AOT_SPECS = [
-    {
-        "kernel": _prefix_kernel,
-        "signature": dict(_PTRS, K=f"*{kv}", V=f"*{kv}"),
-        "constexprs": dict(GROUP_SIZE=4, Q_ROWS=q_rows, HEAD_DIM=128, PAGE_SIZE=page, BLOCK_M=128, BLOCK_N=64,
-                           BLOCK_D=128, HAS_SEQ_LENS=has_seq_lens, HAS_SEGMENTS=has_segments, IS_PAGED=page > 1,
-                           IS_CAUSAL=q_rows > 1, SOFTCAP=softcap, KV_SCALE=0 if kv == "bf16" else 2,
-                           INPUT_PRECISION="tf32", UPCAST=False),
-        "options": {"num_warps": 8, "num_stages": 3},
-    }
-    for has_seq_lens, has_segments, page, q_rows, kv, softcap in (
-        (False, False, 1, 1, "bf16", False), (True, True, 1, 1, "bf16", False), (True, True, 16, 4, "bf16", False),
-        (True, True, 16, 1, "fp8e4nv", True))
-]
-
-
 def prefix_attention(q, k, v, seq_lens, block_table, perm, tiles, o_part, lse_part, *, sm_scale, plan,
                      kv_layout="HND", causal=False, k_scale=None, v_scale=None, kv_scale=0, logit_softcap=None):
     """Launch the shared-segment kernel; inputs were validated by :func:`cp_attention.cascade_decode`.
@@ -159,6 +137,9 @@ def prefix_attention(q, k, v, seq_lens, block_table, perm, tiles, o_part, lse_pa
     q_strides = (qs[0], qs[1], qs[2]) if q.dim() == 4 else (qs[0], 0, qs[1])
     tensors = kv_scale == 2
     scale_strides = [(sc.stride(0) if sc.dim() else 0) if tensors else 0 for sc in (k_scale, v_scale)]
+    constexprs, options = prefix_launch_config(
+        q.dtype, hq // hkv, q_rows, head_dim, page_size, cfg, has_seq_lens=seq_lens is not None,
+        has_segments=has_segments, paged=paged, causal=causal, softcap=bool(logit_softcap), kv_scale=kv_scale)
     launch(
         _prefix_kernel, (plan.n_tiles, plan.num_splits, hkv),
         (q, k, v, seq_lens if seq_lens is not None else q, block_table if paged else q,
@@ -170,10 +151,16 @@ def prefix_attention(q, k, v, seq_lens, block_table, perm, tiles, o_part, lse_pa
          seq_lens.stride(0) if seq_lens is not None else 0,
          *(block_table.stride() if paged else (0, 0)), *q_strides,
          *ks, *vs, o_part.stride(0), o_part.stride(1), lse_part.stride(0), *scale_strides),
-        dict(GROUP_SIZE=hq // hkv, Q_ROWS=q_rows, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=next_pow2(head_dim),
-             HAS_SEQ_LENS=seq_lens is not None, HAS_SEGMENTS=has_segments, IS_PAGED=paged,
-             IS_CAUSAL=causal and q_rows > 1, SOFTCAP=bool(logit_softcap), KV_SCALE=kv_scale,
-             **dot_flags(q.dtype)),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        constexprs, **options,
     )
+
+
+def prefix_launch_config(dtype, group: int, q_rows: int, head_dim: int, page_size: int, cfg, *, has_seq_lens: bool,
+                         has_segments: bool, paged: bool, causal: bool, softcap: bool, kv_scale: int) -> tuple:
+    """``(constexprs, options)`` of :func:`_prefix_kernel` for a :class:`~cp_attention.heuristics.PrefixConfig`
+    ``cfg`` (``page_size`` 1 for a dense level)."""
+    return (dict(GROUP_SIZE=group, Q_ROWS=q_rows, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=next_pow2(head_dim),
+                 HAS_SEQ_LENS=has_seq_lens, HAS_SEGMENTS=has_segments, IS_PAGED=paged,
+                 IS_CAUSAL=causal and q_rows > 1, SOFTCAP=softcap, KV_SCALE=kv_scale, **dot_flags(dtype)),
+            dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))

@@ -73,7 +73,6 @@ simply waits for this one to finish, so the instructions change nothing else.
 """
 from typing import NamedTuple
 
-import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -83,8 +82,7 @@ from ._launch import pdl_options
 from ._state import (add_sink, attend_tiles, first_position, fp16_query, kv_bases, merge_tile, score_scales,
                      split_range)
 from .._device import next_pow2
-from ..heuristics import (FOUR_PER_SM, FP8_TABLE_LOOP, FP8_TWO_WARPS, ONE_WARP_CONFIGS, WIDE_FP8, WIDE_FP8_TABLE_LOOP,
-                          WIDE_HEADS, WIDE_PAGES, DecodeConfig, decode_config)
+from ..heuristics import FP8_TWO_WARPS, ONE_WARP_CONFIGS, WIDE_FP8
 
 
 @triton.jit
@@ -441,79 +439,3 @@ def combine_exported(q, hkv: int, slots, n_slots: int, o, lse, sinks=None) -> No
     launch(_combine_kernel, (b * hkv * row_tiling(q_rows, hq // hkv).n_rt, *c_grid),
            (slots, q if sinks is None else sinks, o, lse, n_slots, hkv, *_bqh(o.stride(), multi),
             *_bqh(lse.stride(), multi), sinks.stride(0) if sinks is not None else 0), constexprs, **options)
-
-def _aot_spec(group, q_rows, export, page_size=0, causal=False, row_limits=False, block_n=128, kv="bf16",
-              kv_scale=0, window=False, softcap=False, sinks=False, head_dim=128, split_pages=0, config=None,
-              streams=1, page_tiles=False):
-    config = config or DecodeConfig(block_n, 4, 3)
-    paired = pairs_values(config, kv_scale, q_rows * group)
-    tiling = row_tiling(q_rows, group, paired, kernel_rows(config))
-    return {
-        "kernel": _split_kv_kernel,
-        "signature": {"Q": "*bf16", "K": f"*{kv}", "V": f"*{kv}", "SEQ_LENS": "*i32", "BLOCK_TABLE": "*i32",
-                      "ROW_LIMITS": "*i32", "K_SCALE": "*fp32", "V_SCALE": "*fp32", "SINKS": "*fp32", "O": "*bf16",
-                      "LSE": "*fp32", "WORK": "*fp32", "sm_scale": "fp32", "k_scale": "fp32",
-                      "v_scale": "fp32", "cap": "fp32"},
-        "constexprs": dict(GROUP_SIZE=group, Q_ROWS=q_rows, HEAD_DIM=head_dim, PAGE_SIZE=max(page_size, 1),
-                           BLOCK_H=tiling.block_h, BLOCK_N=config.block_n, BLOCK_D=head_dim, HAS_SEQ_LENS=True,
-                           IS_PAGED=page_size > 0, IS_CAUSAL=causal, HAS_ROW_LIMITS=row_limits,
-                           HAS_WINDOW=window, SOFTCAP=softcap, HAS_SINKS=sinks and not export, KV_SCALE=kv_scale,
-                           EXPORT=export, INPUT_PRECISION="tf32", UPCAST=False, SPLIT_PAGES=split_pages, PDL=True,
-                           STREAMS=streams, PAGE_GATHER=page_gather(config, page_size), PAGE_TILES=page_tiles,
-                           PAIR_V=config.num_warps if paired else 0),
-        "options": split_kv_options(config, pdl=True),
-        "programs": config.programs,  # the plan's programs per SM, checked against the compile (tests/test_aot.py)
-    }
-
-
-# Realistic sm_90 compiles of this file's kernels, checked on the CPU by tests/test_aot.py: dense single-row
-# (GQA 4 split, GQA 5, GQA 8 split), paged (page 16 and page 64), 4 causal rows, 16 rows x GQA 8 with
-# row limits (two row tiles), FP8 caches (e4m3 with scalar scales; e5m2 paged in two warps with per-head
-# scales, one table entry per key; e4m3 pages of one in 64-row tiles), and the variants: a window with sinks
-# (split and not), a softcap on 4 causal rows, 64-key tiles split, head dim 64 in 256-key tiles; paged tables
-# in registers (2048 entries of 16, pages of 256, 2048 FP8 pages of 64 in two warps with 8 causal rows; four
-# programs per SM, registers capped at 128: 32 pages of 64, 2048 of 16 split; FP8 in two
-# warps: e4m3 split, e5m2 with per-head scales on 8 causal rows; and in four key streams: e4m3 split, e5m2
-# with per-head scales on 4 causal rows in a window with a softcap); head dim 256 (GQA 2: 16-bit split,
-# e4m3 with per-head scales on 4 causal rows, values paired; e5m2 on 8 causal rows, unpaired; page pools in
-# registers, values paired: 512 e4m3 pages of 16 split, 64 of 32 gathered on 2 causal rows; 128 16-bit pages
-# of 256 on 4 causal rows with registers capped at 128);
-# FP8 pools with one table entry loaded a tile (e4m3 pages of 256 split; head dim 256, e5m2 pages of 64 with
-# per-head scales on 4 causal rows); and the combine, with the policy's split count and with the deterministic splits.
-AOT_SPECS = [_aot_spec(4, 1, True), _aot_spec(5, 1, False), _aot_spec(8, 1, True),
-             _aot_spec(4, 1, True, page_size=16, block_n=64), _aot_spec(4, 1, False, page_size=64, block_n=64),
-             _aot_spec(4, 4, True, causal=True), _aot_spec(8, 16, True, page_size=16, row_limits=True, block_n=64),
-             _aot_spec(4, 1, True, kv="fp8e4nv", kv_scale=1),
-             _aot_spec(4, 4, False, page_size=64, causal=True, kv="fp8e5", kv_scale=2,
-                       config=decode_config(128, torch.bfloat16, page_size=64, kv_dtype=torch.float8_e5m2)),
-             _aot_spec(4, 1, True, window=True, sinks=True), _aot_spec(4, 1, False, window=True, sinks=True),
-             _aot_spec(4, 4, True, causal=True, softcap=True), _aot_spec(4, 1, True, block_n=64),
-             _aot_spec(4, 1, True, block_n=256, head_dim=64),
-             _aot_spec(4, 1, True, page_size=16, split_pages=2048), _aot_spec(4, 1, False, page_size=256, split_pages=16),
-             _aot_spec(4, 8, True, page_size=64, causal=True, kv="fp8e4nv", kv_scale=2, split_pages=2048,
-                       config=FP8_TWO_WARPS),
-             _aot_spec(4, 16, True, page_size=1, causal=True, kv="fp8e4nv", kv_scale=1,
-                       config=decode_config(128, torch.bfloat16, page_size=1, kv_dtype=torch.float8_e4m3fn, rows=64)),
-             _aot_spec(4, 1, False, page_size=64, split_pages=32, config=FOUR_PER_SM),
-             _aot_spec(4, 1, True, page_size=16, split_pages=2048, config=FOUR_PER_SM),
-             _aot_spec(4, 1, True, kv="fp8e4nv", kv_scale=1, config=FP8_TWO_WARPS),
-             _aot_spec(4, 8, False, causal=True, kv="fp8e5", kv_scale=2, config=FP8_TWO_WARPS),
-             _aot_spec(4, 1, True, kv="fp8e4nv", kv_scale=1, config=FP8_TWO_WARPS, streams=4),
-             _aot_spec(4, 4, False, causal=True, kv="fp8e5", kv_scale=2, window=True, softcap=True,
-                       config=FP8_TWO_WARPS, streams=4),
-             _aot_spec(2, 1, True, head_dim=256, config=WIDE_HEADS),
-             _aot_spec(2, 4, True, causal=True, kv="fp8e4nv", kv_scale=2, head_dim=256, config=WIDE_FP8),
-             _aot_spec(2, 8, False, causal=True, kv="fp8e5", kv_scale=1, head_dim=256, config=WIDE_FP8),
-             _aot_spec(2, 1, True, page_size=16, kv="fp8e4nv", kv_scale=1, head_dim=256, split_pages=512,
-                       config=WIDE_FP8),
-             _aot_spec(2, 2, True, page_size=32, causal=True, kv="fp8e4nv", kv_scale=1, head_dim=256, split_pages=64,
-                       config=WIDE_FP8),
-             _aot_spec(2, 4, False, page_size=256, causal=True, head_dim=256, split_pages=128, config=WIDE_PAGES),
-             _aot_spec(4, 1, True, page_size=256, kv="fp8e4nv", kv_scale=1, config=FP8_TABLE_LOOP, page_tiles=True),
-             _aot_spec(2, 4, False, page_size=64, causal=True, kv="fp8e5", kv_scale=2, head_dim=256,
-                       config=WIDE_FP8_TABLE_LOOP, page_tiles=True)] + [
-    {"kernel": _combine_kernel, "signature": {"WORK": "*fp32", "SINKS": "*fp32", "O": "*bf16", "LSE": "*fp32"},
-     "constexprs": cfg[0], "options": cfg[1]}
-    for cfg in (combine_launch_config(4, 1, 128, True, 16, pdl=True),
-                combine_launch_config(8, 1, 128, False, pdl=True, packed=True),
-                combine_launch_config(4, 1, 128, False, 131, pdl=True, packed=True))]

@@ -304,32 +304,22 @@ def symm_merge_into(buf_ptrs, rank, world, m, d, o_out, lse_out, sinks=None, pdl
     the peers with :func:`push_rows` (bulk only; it must be the last kernel before this one). ``pdl``:
     launched with programmatic dependent launch (compute capability 9.0 or more).
     """
-    programs, block_m = symm_plan(m, d, world)
     has_sinks = sinks is not None
-    block_s, block_d = next_pow2(world), next_pow2(d)
-    options = pdl_options(pdl, num_warps=4 if block_s * block_m * block_d <= 4096 else 8)
+    programs, constexprs, options = symm_launch_config(m, d, world, has_sinks, pushed, pdl)
     launch(
         _symm_merge_kernel, (programs,),
         (buf_ptrs, sinks if has_sinks else lse_out, o_out, lse_out, rank, m,
          sinks.shape[0] if has_sinks else 1, o_out.stride(0), lse_out.stride(0), sinks.stride(0) if has_sinks else 0),
-        dict(WORLD=world, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_F=next_pow2(block_m * (d + 1)),
-             BLOCK_S=block_s, HAS_SINKS=has_sinks, BULK=m >= BULK_MIN_ROWS, PUSHED=pushed, PDL=pdl),
-        **options,
+        constexprs, **options,
     )
 
 
-# Realistic sm_90 compiles of this file's kernel, checked on the CPU by tests/test_aot.py.
-AOT_SPECS = [
-    {
-        "kernel": _symm_merge_kernel,
-        "signature": {"BUF_PTRS": "*i64", "SINKS": "*fp32", "O_OUT": "*bf16", "LSE_OUT": "*fp32"},
-        "constexprs": {"WORLD": world, "HEAD_DIM": 128, "BLOCK_M": block_m, "BLOCK_D": 128,
-                       "BLOCK_F": next_pow2(block_m * 129), "BLOCK_S": next_pow2(world), "HAS_SINKS": sinks,
-                       "BULK": bulk, "PUSHED": pushed, "PDL": True},
-        "options": {"num_warps": 4, "launch_pdl": True},
-    }
-    for world, block_m, sinks, bulk, pushed in ((2, 1, False, False, False), (2, 8, False, False, False),
-                                                (8, 2, True, False, False), (2, 16, False, True, False),
-                                                (8, 16, True, True, False), (2, 16, False, True, True),
-                                                (4, 8, True, True, True))
-]
+def symm_launch_config(m: int, d: int, world: int, sinks: bool, pushed: bool = False, pdl: bool = False) -> tuple:
+    """``(programs, constexprs, options)`` of :func:`_symm_merge_kernel` for ``m`` rows of head dim ``d`` over
+    ``world`` ranks (:func:`symm_plan`)."""
+    programs, block_m = symm_plan(m, d, world)
+    block_s, block_d = next_pow2(world), next_pow2(d)
+    options = pdl_options(pdl, num_warps=4 if block_s * block_m * block_d <= 4096 else 8)
+    return programs, dict(WORLD=world, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_D=block_d,
+                          BLOCK_F=next_pow2(block_m * (d + 1)), BLOCK_S=block_s, HAS_SINKS=sinks,
+                          BULK=m >= BULK_MIN_ROWS, PUSHED=pushed, PDL=pdl), options
