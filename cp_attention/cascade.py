@@ -74,7 +74,7 @@ class CascadeLevel(NamedTuple):
 
 
 def cascade_decode(q, levels, *, sm_scale=None, k_scale=None, v_scale=None, logit_softcap=None, sinks=None,
-                   return_lse=False, _num_splits=None, _config=None, _out=None):
+                   return_lse=False, _num_splits=None, _config=None, _out=None, _checked=None):
     """Exact decode attention over a cache stored in levels of shared and per-request segments.
 
     Equals :func:`cp_attention.flash_decode` over, per request, the concatenation of its segments of
@@ -110,8 +110,10 @@ def cascade_decode(q, levels, *, sm_scale=None, k_scale=None, v_scale=None, logi
     >>> cascade_decode(q, [prefix, suffix], return_lse=True).lse.shape
     torch.Size([3, 8])
     """
-    checked, kv_scale = check_cascade_args(q, levels, sm_scale=sm_scale, return_lse=return_lse, k_scale=k_scale,
-                                           v_scale=v_scale, logit_softcap=logit_softcap, sinks=sinks)
+    if _checked is None:  # (a context-parallel caller checked them in its agreement collective)
+        _checked = check_cascade_args(q, levels, sm_scale=sm_scale, return_lse=return_lse, k_scale=k_scale,
+                                      v_scale=v_scale, logit_softcap=logit_softcap, sinks=sinks)
+    checked, kv_scale = _checked
     scale = resolve_sm_scale(sm_scale, q.shape[-1])
     scales = (k_scale, v_scale, kv_scale)
     last = checked[-1]

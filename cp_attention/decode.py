@@ -167,7 +167,7 @@ def _rare_key(block_table, k_scale, v_scale, window_left, logit_softcap, sinks, 
 
 def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num_splits=None, kv_layout="HND",
                  split_size=None, k_scale=None, v_scale=None, window_left=None, logit_softcap=None, sinks=None,
-                 return_lse=False, out=None, plan=None, row_limits=None, _span=None, _export=None):
+                 return_lse=False, out=None, plan=None, row_limits=None, _span=None, _export=None, _geo=None):
     """Exact decode attention over a KV cache, dense or paged, for one or a few new tokens per request
     (Flash-Decoding, one launch).
 
@@ -270,7 +270,7 @@ def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num
     if prep is None or prep.cuda is None:
         return _checked_call(q, k, v, seq_lens, block_table, sm_scale, num_splits, kv_layout, split_size, k_scale,
                              v_scale, window_left, logit_softcap, sinks, return_lse, out, plan, row_limits, _span,
-                             _export, key, prep)
+                             _export, key, prep, _geo)
 
     # A CUDA call whose key a validated call prepared: only what the key does not fix is checked.
     if return_lse is not False and return_lse is not True:
@@ -349,14 +349,15 @@ def _launch(prep: _Prepared, scratch: _Scratch, q, k, v, seq_lens, block_table, 
 
 
 def _checked_call(q, k, v, seq_lens, block_table, sm_scale, num_splits, kv_layout, split_size, k_scale, v_scale,
-                  window_left, logit_softcap, sinks, return_lse, out, plan, row_limits, span, export, key, prep):
-    """Every check, then the torch path, or the kernels with ``prep`` (prepared now when None; kept under
-    ``key`` unless None). Host tensors (the interpreter) come here at every call: their index values are
-    checked each time."""
-    geo = check_decode_args(q, k, v, seq_lens, block_table=block_table, num_splits=num_splits, kv_layout=kv_layout,
-                            plan=plan, out=out, row_limits=row_limits, k_scale=k_scale, v_scale=v_scale,
-                            window_left=window_left, logit_softcap=logit_softcap, sinks=sinks, sm_scale=sm_scale,
-                            split_size=split_size, return_lse=return_lse)
+                  window_left, logit_softcap, sinks, return_lse, out, plan, row_limits, span, export, key, prep, geo):
+    """Every check (unless a caller that checked them gives their result ``geo``), then the torch path, or the
+    kernels with ``prep`` (prepared now when None; kept under ``key`` unless None). Host tensors (the
+    interpreter) come here at every call: their index values are checked each time."""
+    if geo is None:
+        geo = check_decode_args(q, k, v, seq_lens, block_table=block_table, num_splits=num_splits, kv_layout=kv_layout,
+                                plan=plan, out=out, row_limits=row_limits, k_scale=k_scale, v_scale=v_scale,
+                                window_left=window_left, logit_softcap=logit_softcap, sinks=sinks, sm_scale=sm_scale,
+                                split_size=split_size, return_lse=return_lse)
     return decode_checked(q, k, v, seq_lens, geo, block_table=block_table, sm_scale=sm_scale, num_splits=num_splits,
                           kv_layout=kv_layout, split_size=split_size, k_scale=k_scale, v_scale=v_scale,
                           window_left=window_left, logit_softcap=logit_softcap, sinks=sinks, return_lse=return_lse,
@@ -373,12 +374,27 @@ def decode_checked(q, k, v, seq_lens, geo: CacheGeometry, *, block_table=None, s
     combine (context parallelism, Note [Deterministic splits])."""
     o_out, lse_out = (None, None) if out is None else unpack_out(out)
     if not use_triton(q):
-        if export is not None:
-            raise ValueError("split_size: the exported states of deterministic splits need the Triton kernels "
-                             "(CUDA tensors, or TRITON_INTERPRET=1 on the CPU)")
         k, v = dequantize(k, v, k_scale, v_scale, kv_layout)
-        return _torch_path(q, k, v, seq_lens, block_table, row_limits, sm_scale, kv_layout, window_left,
-                           logit_softcap, sinks, return_lse, o_out, lse_out)
+        if block_table is not None:
+            from .reference import paged_to_dense
+
+            k, v = (paged_to_dense(t, block_table, kv_layout) for t in (k, v))
+        if split_size is not None:
+            states = split_states_torch(q, k, v, seq_lens, split_size, geo.t_max, sm_scale=sm_scale,
+                                        kv_layout=kv_layout, row_limits=row_limits, logit_softcap=logit_softcap)
+            if export is not None:
+                export.copy_(states.reshape(-1))
+                return None
+            st = merge_packed_torch(states, q.dtype if o_out is None else o_out.dtype, sinks)
+        else:
+            from .reference import attention
+
+            st = attention(q, k, v, seq_lens, sm_scale=sm_scale, kv_layout=kv_layout, row_limits=row_limits,
+                           window_left=window_left, logit_softcap=logit_softcap, sinks=sinks)
+            st = AttentionState(st.o.to(q.dtype if o_out is None else o_out.dtype), st.lse)
+        o = st.o if o_out is None else o_out.copy_(st.o)
+        lse = st.lse if lse_out is None else lse_out.copy_(st.lse)
+        return AttentionState(o, lse) if return_lse else o
     new = prep is None
     if new:
         prep = _prepare(q, k, v, seq_lens, block_table, row_limits, sinks, (k_scale, v_scale), num_splits,
@@ -401,16 +417,39 @@ def decode_checked(q, k, v, seq_lens, geo: CacheGeometry, *, block_table=None, s
     return AttentionState(o, lse_out) if return_lse else o
 
 
-def _torch_path(q, k, v, seq_lens, block_table, row_limits, sm_scale, kv_layout, window_left, logit_softcap, sinks,
-                return_lse, o_out, lse_out):
-    from .reference import attention, paged_to_dense
+def split_states_torch(q, k, v, seq_lens, split_size: int, t_max: int, *, sm_scale=None, kv_layout="HND",
+                       row_limits=None, logit_softcap=None) -> torch.Tensor:
+    """The torch path's deterministic splits (Note [Deterministic splits] in ``ops/split_kv.py``): split ``j``
+    covers the positions ``[j * S, (j + 1) * S)`` of the dense cache ``k``, ``v``; its state is the float32
+    reference attention over exactly those ``S`` positions, packed ``[n_splits, *q.shape[:-1], D + 1]`` (``o``
+    then ``lse``). The state of a split depends only on its positions, so a context-parallel rank holding whole
+    splits computes the same bits for them."""
+    from .reference import attention
 
-    if block_table is not None:
-        k, v = (paged_to_dense(t, block_table, kv_layout) for t in (k, v))
-    st = attention(q, k, v, seq_lens, sm_scale=sm_scale, kv_layout=kv_layout, row_limits=row_limits,
-                   window_left=window_left, logit_softcap=logit_softcap, sinks=sinks)
-    o = st.o.to(q.dtype if o_out is None else o_out.dtype)
-    if o_out is not None:
-        o = o_out.copy_(o)
-    lse = st.lse if lse_out is None else lse_out.copy_(st.lse)
-    return AttentionState(o, lse) if return_lse else o
+    n_q = q.shape[1] if q.dim() == 4 else 1
+    b, d = q.shape[0], q.shape[-1]
+    t_dim = 2 if kv_layout == "HND" else 1
+    lens = (torch.full((b,), t_max, device=q.device) if seq_lens is None else seq_lens).long()
+    if row_limits is None:  # the causal rule of Q rows
+        hi = lens[:, None] - n_q + 1 + torch.arange(n_q, device=q.device)[None, :]
+        limits = torch.stack([torch.zeros_like(hi), hi], dim=-1)
+    else:
+        limits = row_limits.long()
+    n_splits = max(1, -(-t_max // split_size))
+    packed = torch.empty((n_splits, *q.shape[:-1], d + 1), dtype=torch.float32, device=q.device)
+    for j in range(n_splits):
+        lo = j * split_size
+        kj, vj = (t.narrow(t_dim, lo, max(0, min(split_size, t.shape[t_dim] - lo))) for t in (k, v))
+        st = attention(q, kj, vj, (lens - lo).clamp(0, kj.shape[t_dim]), sm_scale=sm_scale, kv_layout=kv_layout,
+                       row_limits=(limits - lo).clamp(min=0), logit_softcap=logit_softcap)
+        packed[j, ..., :d] = st.o.reshape(*q.shape[:-1], d)
+        packed[j, ..., d] = st.lse.reshape(q.shape[:-1])
+    return packed
+
+
+def merge_packed_torch(states: torch.Tensor, dtype: torch.dtype, sinks=None) -> AttentionState:
+    """⊕ over dim 0 of packed states ``[N, ..., D + 1]`` (``o`` then ``lse``), in order, on the torch path."""
+    from .state import merge_states_torch
+
+    d = states.shape[-1] - 1
+    return merge_states_torch(states[..., :d], states[..., d], dtype, sinks)

@@ -105,16 +105,24 @@ def merge_states(o: torch.Tensor, lse: torch.Tensor, *, out_dtype: torch.dtype |
         out_lse = _device.new_buffer(lead, torch.float32, o.device)
         merge_states_into(o3, lse.reshape(n, m), out_o.view(m, d), out_lse.view(m), sinks=sinks)
         return AttentionState(out_o, out_lse)
+    return merge_states_torch(o, lse, out_dtype, sinks)
+
+
+def merge_states_torch(o: torch.Tensor, lse: torch.Tensor, out_dtype: torch.dtype, sinks=None) -> AttentionState:
+    """:func:`merge_states` on the torch path (float32 math, the states merged in order along dim 0)."""
     out = _merge_states_torch(o, lse)
     if sinks is not None:
-        out = _add_sinks_torch(out, sinks)
+        out = add_sinks_torch(out, sinks)
     return AttentionState(out.o.to(out_dtype), out.lse)
 
 
-def _add_sinks_torch(st: AttentionState, sinks: torch.Tensor) -> AttentionState:
-    """``st ⊕ (0, sink)`` per query head (dim -2 of ``o``), float32."""
-    total = torch.logaddexp(st.lse, sinks.float().expand_as(st.lse))
-    return AttentionState(st.o.float() * torch.exp(st.lse - total)[..., None], total)
+def add_sinks_torch(st: AttentionState, sinks: torch.Tensor) -> AttentionState:
+    """``st ⊕ (0, sink)`` per query head (dim -2 of ``o``), float32. A ``+inf`` sink holds all the mass and no
+    value: ``o = 0``, ``lse = +inf``."""
+    sink = sinks.float().expand_as(st.lse)
+    total = torch.logaddexp(st.lse, sink)
+    w = torch.where(sink == float("inf"), torch.zeros_like(total), torch.exp(st.lse - total))
+    return AttentionState(st.o.float() * w[..., None], total)
 
 
 def unnormalize(o: torch.Tensor, lse: torch.Tensor, m: torch.Tensor):

@@ -24,6 +24,20 @@ def test_batch_invariance(dtype, q_rows):
     assert torch.equal(alone.o, batch.o[2:3]) and torch.equal(alone.lse, batch.lse[2:3])
 
 
+@pytest.mark.parametrize("q_rows", [None, 3], ids=["Q1", "Q3"])
+def test_batch_invariance_on_the_torch_path(monkeypatch, q_rows):
+    """The torch path runs the same fixed splits (each the reference over its positions), merged in order."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v, sl = dense_cache(5, 8, 2, 300, 32, [300, 17, 250, 0, 129], q_rows=q_rows, seed=3)
+    q, k, v, sl = (t.cpu() for t in (q, k, v, sl))
+    sinks = torch.linspace(-1.0, 1.0, 8)
+    batch = flash_decode(q, k, v, sl, split_size=64, sinks=sinks, return_lse=True)
+    assert_state_matches(batch, attention(q.double(), k.double(), v.double(), sl, sinks=sinks.double()), torch.float32)
+    alone = flash_decode(q[2:3].contiguous(), k[2:3, :, :256].contiguous(), v[2:3, :, :256].contiguous(), sl[2:3],
+                         split_size=64, sinks=sinks, return_lse=True)
+    assert torch.equal(alone.o, batch.o[2:3]) and torch.equal(alone.lse, batch.lse[2:3])
+
+
 def test_batch_invariance_paged_with_sinks():
     q, k, v, sl = dense_cache(4, 8, 2, 200, 32, [200, 33, 150, 1], q_rows=None, seed=2)
     sinks = torch.linspace(-1.0, 1.0, 8, device=DEVICE)

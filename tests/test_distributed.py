@@ -391,28 +391,55 @@ def case_deterministic(rank, world, *, b, hq, hkv, t, d, lens, split_size, dtype
 
 def case_mismatch(rank, world, *, what):
     """Rank 1 differs in ``what``: every rank raises ValueError, and the group still works afterwards."""
-    b, hq, d, dtype, sm_scale = 2, 8, 32, torch.float32, None
+    from cp_attention import quantize_kv
+
+    b, hq, d, dtype = 2, 8, 32, torch.float32
     seq_lens = torch.tensor([5, 3])
-    if rank == 1:
-        if what == "batch":
-            b, seq_lens = 3, torch.tensor([5, 3, 1])
-        elif what == "heads":
-            hq = 4
-        elif what == "head-dim":
-            d = 64
-        elif what == "dtype":
-            dtype = torch.bfloat16
-        elif what == "sm-scale":
-            sm_scale = 0.5
-        elif what == "bad-seq-lens":
-            seq_lens = torch.tensor([5, 99])  # longer than the shard
+    kw = {}
+    odd = rank == 1
+    if what == "batch" and odd:
+        b, seq_lens = 3, torch.tensor([5, 3, 1])
+    elif what == "heads" and odd:
+        hq = 4
+    elif what == "head-dim" and odd:
+        d = 64
+    elif what == "dtype" and odd:
+        dtype = torch.bfloat16
+    elif what == "sm-scale" and odd:
+        kw["sm_scale"] = 0.5
+    elif what == "bad-seq-lens" and odd:
+        seq_lens = torch.tensor([5, 99])  # longer than the shard
+    elif what == "sinks":  # by value: rank r's sinks are r
+        kw["sinks"] = torch.full((hq,), float(rank))
+    elif what == "softcap":
+        kw["logit_softcap"] = 1.0 + rank
+    elif what == "split-size":
+        kw["split_size"] = 16 if odd else 32
     q = torch.randn(b, hq, d).to(dtype)
-    k = torch.randn(b, 2, 8, d).to(dtype)
+    k = torch.randn(b, 2, 64, d).to(dtype)
+    if what == "fp8-scale":  # tensor scales of another value on rank 1
+        q = q.bfloat16()
+        k, _, ks, vs = quantize_kv(k, k)
+        kw.update(k_scale=ks * (1 + rank), v_scale=vs)
     with pytest.raises(ValueError) as info:
-        cp_flash_decode(q, k, k, seq_lens, sm_scale=sm_scale)
+        cp_flash_decode(q, k, k, seq_lens, **kw)
     q, k = torch.ones(2, 8, 32), torch.ones(2, 2, 8, 32)
     o = cp_flash_decode(q, k, k, torch.tensor([5, 3]))  # the group is still in step
     torch.testing.assert_close(o, torch.ones_like(o))
+    return str(info.value)
+
+
+def case_cache_mismatch(rank, world, *, what):
+    """A CPKVCache whose rank or world size is not the group's, or a window that differs, raises on every rank."""
+    k = torch.randn(2, 2, 40, 32)
+    with pytest.raises(ValueError) as info:
+        if what == "world-size":
+            CPKVCache.from_prefix(k, k, torch.tensor([40, 7]), 64, rank=rank, world_size=world + 1)
+        elif what == "rank":
+            CPKVCache.from_prefix(k, k, torch.tensor([40, 7]), 64, rank=0, world_size=world)
+        else:
+            cache = CPKVCache.from_prefix(k, k, torch.tensor([40, 7]), 64)
+            cache.decode(torch.randn(2, 8, 32), window_left=10 + rank)
     return str(info.value)
 
 
@@ -499,6 +526,15 @@ def test_cache_draft_steps_equal_unsharded(pool, world, case, interpret):
 def test_cp_deterministic_splits_are_bitwise_single_gpu(pool, world):
     """T_max = 384 = 12 splits of 32: whole splits per shard for W in {1, 2, 3, 4}; one empty sequence."""
     states = pool(world).run(case_deterministic, interpret=True, b=3, hq=8, hkv=2, t=384, d=32, lens=[384, 100, 0],
+                             split_size=32)
+    assert all(torch.equal(st.o, states[0].o) and torch.equal(st.lse, states[0].lse) for st in states)
+
+
+@pytest.mark.parametrize("world", [2, 3], ids=lambda w: f"W{w}")
+def test_cp_deterministic_splits_on_the_torch_path(pool, world):
+    """The torch path runs the same fixed splits merged in the same order: bitwise equal to its own
+    flash_decode(split_size=S), and equal to the oracle."""
+    states = pool(world).run(case_deterministic, interpret=False, b=3, hq=8, hkv=2, t=384, d=32, lens=[384, 100, 0],
                              split_size=32)
     assert all(torch.equal(st.o, states[0].o) and torch.equal(st.lse, states[0].lse) for st in states)
 
@@ -594,16 +630,29 @@ def test_exchange_choice_on_gloo(pool):
     assert pool(2).run(case_exchange_choice) == ["collective", "collective"]
 
 
+MISMATCHES = {"heads": "q heads", "batch": "q.shape[0]", "head-dim": "head dim", "dtype": "q.dtype",
+              "sm-scale": "sm_scale", "sinks": "sinks", "softcap": "logit_softcap", "split-size": "split_size",
+              "fp8-scale": "k_scale"}
+
+
 @pytest.mark.parametrize("world, what", [(2, "heads"), (3, "batch"), (2, "head-dim"), (2, "dtype"),
-                                         (3, "sm-scale"), (2, "bad-seq-lens")],
+                                         (3, "sm-scale"), (2, "bad-seq-lens"), (2, "sinks"), (3, "softcap"),
+                                         (2, "split-size"), (2, "fp8-scale")],
                          ids=lambda x: f"W{x}" if isinstance(x, int) else x)
 def test_mismatch_raises_on_every_rank(pool, world, what):
+    """Note [Agreement across ranks]: an argument that differs across ranks raises on every rank, naming it."""
     messages = pool(world).run(case_mismatch, what=what)
     if what == "bad-seq-lens":
         assert "seq_lens" in messages[1] and "rank(s) [1]" in messages[0]
     else:
-        assert all("must match on every rank" in m for m in messages)
+        assert all(m.startswith(MISMATCHES[what]) and "must be equal on every rank" in m for m in messages), messages
         assert len(set(messages)) == 1
+
+
+@pytest.mark.parametrize("what, name", [("world-size", "world_size"), ("rank", "rank"), ("window", "window_left")])
+def test_cache_mismatch_raises_on_every_rank(pool, what, name):
+    messages = pool(2).run(case_cache_mismatch, what=what)
+    assert all(m.startswith(name) for m in messages), messages
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -1,18 +1,63 @@
-"""Arguments that must agree across the ranks of a context-parallel call, checked with one small collective, so
-that a mismatch (or an argument one rank rejected) raises on every rank instead of hanging or merging wrong states."""
+"""What must be equal on every rank of a context-parallel call, checked with one small collective.
+
+Note [Agreement across ranks]
+-----------------------------
+Every rank of a context-parallel call merges the same states in the same order, so the arguments that shape
+the states or the merge must be the same on every rank: q's shape and dtype, the KV heads, ``sm_scale``,
+``split_size`` (and the shards' split slots), ``window_left``, ``logit_softcap``, ``sinks`` (by value),
+``k_scale``/``v_scale`` (by value) and, for a cascade, the levels' kinds. A rank whose arguments differ would
+not hang: it would merge states of another attention and return a wrong answer, on some ranks only. With
+``check_metadata=True`` (the default) each rank validates its own arguments and all-gather one fixed-size
+vector of int64 words: an ok flag, then each argument's value (floats as their IEEE bits, tensors as a
+64-bit digest of their bytes). A rank that rejected its arguments raises its own error, the others raise
+naming it; a word that differs raises on every rank naming the argument. The collective syncs with the
+host (it reads tensor values), so it is skipped while a CUDA graph is being captured: a replay costs
+nothing, and the eager calls before the capture (the warm-up) have checked the same arguments. A
+:class:`~cp_attention.distributed.CPKVCache` checks its ``rank``/``world_size`` against its group once, when
+it is built.
+"""
 from __future__ import annotations
 
+import hashlib
 import math
 import struct
 
 import torch
 import torch.distributed as dist
 
-from .._constants import FLOAT_DTYPES
-from .._validate import check_decode_args, check_sm_scale, check_split_size
+from .._constants import FLOAT_DTYPES, FP8_DTYPES
+from .._validate import check_decode_args, check_split_size
 from .exchange import all_gather_single
 
-_DTYPE_CODES = {dtype: i + 1 for i, dtype in enumerate(FLOAT_DTYPES)}
+_DTYPE_CODES = {dtype: i + 1 for i, dtype in enumerate(FLOAT_DTYPES + FP8_DTYPES)}
+# The words every rank contributes, in order (after the ok flag).
+FIELDS = ("q.shape[0]", "q rows", "q heads", "head dim", "q.dtype", "KV heads", "sm_scale", "split_size",
+          "split slots", "window_left", "logit_softcap", "k_scale", "v_scale", "sinks", "levels")
+
+
+def _bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _digest(t: torch.Tensor) -> int:
+    """A 64-bit digest of a tensor's shape, dtype and values (a host copy: one sync for a CUDA tensor)."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(repr((tuple(t.shape), str(t.dtype))).encode())
+    h.update(t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return struct.unpack("<q", h.digest())[0]
+
+
+def value_word(x) -> int:
+    """The word of an optional argument: 0 for None, an int as itself (+1), a float's bits, a tensor's digest."""
+    if x is None:
+        return 0
+    if isinstance(x, torch.Tensor):
+        return _digest(x)
+    if isinstance(x, bool):
+        return int(x) + 1
+    if isinstance(x, int):
+        return x + 1
+    return _bits(x)
 
 
 def _collective_device(group) -> torch.device:
@@ -22,21 +67,23 @@ def _collective_device(group) -> torch.device:
     return torch.device("cpu")
 
 
-def _scale_bits(sm_scale, d) -> int:
-    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
-    return struct.unpack("<q", struct.pack("<d", float(scale)))[0]
-
-
-def agree(local_meta, group, what: str) -> None:
-    """All-gather ``(ok, B, Q, Hq, D, dtype, Hkv, sm_scale bits)`` from ``local_meta()`` (which validates this
-    rank's arguments and may raise), so that an argument rejected on one rank, or shapes that differ across
-    ranks, raise on every rank instead of hanging."""
-    error = None
+def agree(local, group, what: str):
+    """Run ``local()`` (validates this rank's arguments; returns ``(words, result)`` with ``len(FIELDS)`` int
+    words, or raises ``ValueError``/``TypeError``), all-gather the words of every rank and raise on every rank
+    if a rank rejected its arguments or a word differs across ranks, naming the arguments; else return
+    ``result``. See Note [Agreement across ranks]."""
+    if not dist.is_initialized():  # the arguments first, so that an error names the argument
+        local()
+        raise ValueError(f"group: {what} needs an initialised process group (torch.distributed.init_process_group)")
+    error, result = None, None
     try:
-        meta = [1, *local_meta()]
+        words, result = local()
+        meta = [1, *words]
     except (ValueError, TypeError) as exc:
         error = exc
-        meta = [0] * 9
+        meta = [0] * (1 + len(FIELDS))
+    if len(meta) != 1 + len(FIELDS):
+        raise AssertionError(f"{what}: {len(meta) - 1} agreement words for {len(FIELDS)} fields")
     world = dist.get_world_size(group)
     device = _collective_device(group)
     mine = torch.tensor(meta, dtype=torch.int64, device=device)
@@ -48,31 +95,39 @@ def agree(local_meta, group, what: str) -> None:
     bad = [r for r, row in enumerate(rows) if row[0] == 0]
     if bad:
         raise ValueError(f"{what}: rank(s) {bad} rejected their arguments (see their error)")
-    names = ("B", "Q", "Hq", "D", "dtype", "Hkv", "sm_scale", "split slots")
-    codes = {c: str(t).replace("torch.", "") for t, c in _DTYPE_CODES.items()}
-
-    def describe(row):
-        vals = dict(zip(names, row[1:]))
-        vals["dtype"] = codes[vals["dtype"]]
-        vals["sm_scale"] = struct.unpack("<d", struct.pack("<q", vals["sm_scale"]))[0]
-        return ", ".join(f"{n}={vals[n]}" for n in names)
-
-    if any(row != rows[0] for row in rows):
-        detail = "; ".join(f"rank {r}: {describe(row)}" for r, row in enumerate(rows))
-        raise ValueError(f"{what}: q (batch, rows, heads, head dim, dtype), the KV heads, sm_scale and (with "
-                         f"split_size) the shards' split slots must match on every rank, got {detail}")
+    differ = [name for i, name in enumerate(FIELDS) if len({row[1 + i] for row in rows}) > 1]
+    if differ:
+        ranks = {name: [r for r, row in enumerate(rows) if row[1 + FIELDS.index(name)] != rows[0][1 + FIELDS.index(name)]]
+                 for name in differ}
+        detail = "; ".join(f"{name} differs from rank 0's on rank(s) {ranks[name]}" for name in differ)
+        raise ValueError(f"{', '.join(differ)} must be equal on every rank of the group ({what}): {detail}")
+    return result
 
 
-def decode_meta(q, k_shard, v_shard, seq_lens_shard, kwargs, row_limits):
-    geo = check_decode_args(q, k_shard, v_shard, seq_lens_shard, block_table=kwargs.get("block_table"),
-                            num_splits=kwargs.get("num_splits"), kv_layout=kwargs.get("kv_layout", "HND"),
-                            row_limits=row_limits, k_scale=kwargs.get("k_scale"), v_scale=kwargs.get("v_scale"),
-                            window_left=kwargs.get("window_left"), logit_softcap=kwargs.get("logit_softcap"),
-                            sinks=kwargs.get("sinks"))
-    check_sm_scale(kwargs.get("sm_scale"))
+def decode_meta(q, k_shard, v_shard, seq_lens_shard, kwargs, row_limits, window_left=None):
+    """:func:`agree`'s ``local`` of a context-parallel decode: checks every argument once (returns the
+    :class:`~cp_attention._validate.CacheGeometry`) and gives the words that must agree."""
+    geo = check_decode_args(q, k_shard, v_shard, seq_lens_shard, row_limits=row_limits, **kwargs)
     d = q.shape[-1]
-    return [q.shape[0], geo.q_rows, q.shape[-2], d, _DTYPE_CODES[q.dtype], geo.hkv, _scale_bits(kwargs.get("sm_scale"), d),
-            split_slots(kwargs.get("split_size"), geo.t_max)]
+    sm_scale = kwargs.get("sm_scale")
+    split_size = kwargs.get("split_size")
+    words = [q.shape[0], geo.q_rows, q.shape[-2], d, _DTYPE_CODES[q.dtype], geo.hkv,
+             _bits(1.0 / math.sqrt(d) if sm_scale is None else sm_scale), value_word(split_size),
+             split_slots(split_size, geo.t_max), value_word(window_left), value_word(kwargs.get("logit_softcap")),
+             value_word(kwargs.get("k_scale")), value_word(kwargs.get("v_scale")), value_word(kwargs.get("sinks")), 0]
+    return words, geo
+
+
+def cascade_meta(q, checked, kwargs) -> list:
+    """The words of a context-parallel cascade (its levels checked: ``[_validate.Level]``)."""
+    d = q.shape[-1]
+    sm_scale = kwargs.get("sm_scale")
+    kinds = hashlib.blake2b(repr([lv.kind for lv in checked]).encode(), digest_size=8).digest()
+    return [q.shape[0], q.shape[1] if q.dim() == 4 else 1, q.shape[-2], d, _DTYPE_CODES[q.dtype],
+            checked[0].lvl.k.shape[2 if checked[0].lvl.block_table is not None else 1],
+            _bits(1.0 / math.sqrt(d) if sm_scale is None else sm_scale), 0, 0, 0,
+            value_word(kwargs.get("logit_softcap")), value_word(kwargs.get("k_scale")),
+            value_word(kwargs.get("v_scale")), value_word(kwargs.get("sinks")), struct.unpack("<q", kinds)[0]]
 
 
 def split_slots(split_size, t_max) -> int:
@@ -84,3 +139,22 @@ def split_slots(split_size, t_max) -> int:
         raise ValueError(f"split_size must divide the shard's capacity for deterministic context parallelism "
                          f"(contiguous shards of whole splits), got split_size={split_size} and capacity {t_max}")
     return t_max // split_size
+
+
+def check_ranks(rank: int, world_size: int, group) -> None:
+    """A cache built for ``rank`` of ``world_size`` is rank ``rank`` of ``group`` of that size, on every rank (one
+    collective, at construction)."""
+    true_rank, true_world = dist.get_rank(group), dist.get_world_size(group)
+    device = _collective_device(group)
+    mine = torch.tensor([rank, world_size, true_rank, true_world], dtype=torch.int64, device=device)
+    everyone = torch.empty(4 * true_world, dtype=torch.int64, device=device)
+    all_gather_single(everyone, mine, group=group)
+    rows = everyone.view(true_world, 4).tolist()
+    bad_world = [r for r, row in enumerate(rows) if row[1] != row[3]]
+    if bad_world:
+        raise ValueError(f"world_size must be the group's size {true_world} on every rank, got "
+                         f"{[row[1] for row in rows]} on ranks {list(range(true_world))}")
+    bad_rank = [r for r, row in enumerate(rows) if row[0] != row[2]]
+    if bad_rank:
+        raise ValueError(f"rank must be this process's rank in the group on every rank, got "
+                         f"{[row[0] for row in rows]} on ranks {list(range(true_world))}")

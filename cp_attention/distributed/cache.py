@@ -9,6 +9,7 @@ import torch.distributed as dist
 from .. import _device
 from .._constants import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES
 from .._validate import check_int, check_kv_scales, check_tensor, check_unit_stride
+from .agree import check_ranks
 from .decode import cp_decode
 from .shard import interleaved_counts, shard_kv
 
@@ -58,7 +59,9 @@ class CPKVCache:
         (``float8_e4m3fn``/``float8_e5m2``) needs the dequantisation scales ``k_scale``/``v_scale`` (as in
         :func:`flash_decode`); :meth:`append` then quantises float16/bfloat16/float32 tokens with them.
 
-        ``rank`` and ``world_size`` default to this process's rank and size in ``group``.
+        ``rank`` and ``world_size`` default to this process's rank and size in ``group``; when given while a
+        process group is initialised, they are checked against it on every rank (one collective, here:
+        Note [Agreement across ranks]).
         """
         batch = check_int("batch", batch, 1)
         heads_kv = check_int("heads_kv", heads_kv, 1)
@@ -77,6 +80,8 @@ class CPKVCache:
         world_size = check_int("world_size", world_size, 1)
         rank = dist.get_rank(group) if rank is None else rank
         self.rank = check_int("rank", rank, 0, world_size - 1)
+        if dist.is_available() and dist.is_initialized():
+            check_ranks(self.rank, world_size, group)
         self.world_size = world_size
         self.group = group
         self.max_seq_len = max_seq_len
@@ -218,18 +223,26 @@ class CPKVCache:
         self._host_max_len += n
 
     def rollback(self, n) -> None:
-        """Drop the last ``n`` tokens of each sequence (rejected drafts): an int, or ``[B]`` int tensor on the
-        cache's device (no host sync). The slots are overwritten by later appends. The host-side capacity
-        count only moves back for an int ``n``."""
+        """Drop the last ``n`` tokens of each sequence (rejected drafts). The slots are overwritten by later
+        appends.
+
+        ``n``: an int ``>= 0``, at most the shortest sequence's length (else ``ValueError``: reading the lengths
+        is one host sync); or a ``[B]`` int tensor on the cache's device, applied on the device without a host
+        sync, where sequence ``b`` drops ``min(max(n[b], 0), length[b])`` tokens (it never goes below empty).
+        The host-side capacity count only moves back for an int ``n``."""
         if isinstance(n, torch.Tensor):
             check_tensor("n", n, dtypes=INDEX_DTYPES, ndim=1, device=self.global_seq_lens.device)
             if n.shape[0] != self.global_seq_lens.shape[0]:
                 raise ValueError(f"n must have shape [{self.global_seq_lens.shape[0]}], got {tuple(n.shape)}")
-            drop = n.long().clamp(min=0)
+            drop = torch.minimum(n.long().clamp(min=0), self.global_seq_lens)
         else:
             drop = check_int("n", n, 0)
+            if drop:
+                shortest = int(self.global_seq_lens.min())
+                if drop > shortest:
+                    raise ValueError(f"n must be at most the shortest sequence's length {shortest}, got {drop}")
             self._host_max_len = max(0, self._host_max_len - drop)
-        self.global_seq_lens.sub_(drop).clamp_(min=0)
+        self.global_seq_lens.sub_(drop)
         self.seq_lens.copy_(interleaved_counts(self.global_seq_lens, self.rank, self.world_size))
 
     def decode(self, q, **kwargs):
@@ -257,8 +270,8 @@ class CPKVCache:
         if self.k_scale is not None:
             kwargs = dict(kwargs, k_scale=self.k_scale, v_scale=self.v_scale)
         return cp_decode(q, self.k, self.v, self.seq_lens, group=self.group, check_metadata=check_metadata,
-                          row_limits=row_limits, span=span, kwargs=dict(kwargs, block_table=self.block_table,
-                                                                        kv_layout=self.kv_layout))
+                         row_limits=row_limits, span=span, window_left=window, what="CPKVCache.decode",
+                         kwargs=dict(kwargs, block_table=self.block_table, kv_layout=self.kv_layout))
 
     @property
     def _heads_kv(self) -> int:

@@ -42,10 +42,10 @@ from .. import _device
 from .._constants import FLOAT_DTYPES
 from .._validate import check_bool, check_cascade_args, check_decode_args, check_state, check_tensor
 from ..cascade import cascade_decode
-from ..decode import flash_decode
+from ..decode import flash_decode, merge_packed_torch
 from ..ops.split_kv import combine_exported
 from ..state import AttentionState
-from .agree import _DTYPE_CODES, _scale_bits, agree, decode_meta, split_slots
+from .agree import agree, cascade_meta, decode_meta, split_slots
 from .exchange import exchange_for
 
 __all__ = ["all_gather_states", "merge_across_ranks", "cp_flash_decode", "cp_cascade_decode", "init_distributed"]
@@ -146,40 +146,60 @@ def _exchange(q, local_into, *, group, return_lse, sinks, pushes=False):
     return merged if return_lse else merged.o
 
 
-def cp_decode(q, k_shard, v_shard, seq_lens_shard, *, group, check_metadata, row_limits, span, kwargs):
-    """Local attention written unrounded into the exchange buffer, then ⊕ across the ranks."""
+def cp_decode(q, k_shard, v_shard, seq_lens_shard, *, group, check_metadata, row_limits, span, kwargs,
+              window_left=None, what="cp_flash_decode"):
+    """Local attention written unrounded into the exchange buffer, then ⊕ across the ranks. Every argument is
+    checked once: inside the agreement collective with ``check_metadata`` (Note [Agreement across ranks]), else
+    by ``flash_decode`` itself. ``window_left``: the window a caller (``CPKVCache.decode``) turned into
+    ``row_limits``, for the agreement check."""
     check_bool("check_metadata", check_metadata)
-    check_bool("return_lse", kwargs.get("return_lse", False))
     if "out" in kwargs:
-        raise TypeError("cp_flash_decode does not take out (the local state goes into the exchange buffer)")
-    if check_metadata:
-        agree(lambda: decode_meta(q, k_shard, v_shard, seq_lens_shard, kwargs, row_limits), group, "cp_flash_decode")
+        raise TypeError(f"{what} does not take out (the local state goes into the exchange buffer)")
+    geo = None
+    if check_metadata and not _capturing(q):
+        geo = agree(lambda: decode_meta(q, k_shard, v_shard, seq_lens_shard, kwargs, row_limits, window_left), group,
+                    what)
+    kwargs = dict(kwargs)
     return_lse = kwargs.pop("return_lse", False)
+    check_bool("return_lse", return_lse)
     sinks = kwargs.pop("sinks", None)
     if kwargs.get("split_size") is not None:
-        return _cp_decode_deterministic(q, k_shard, v_shard, seq_lens_shard, group, return_lse, sinks, kwargs)
+        if geo is None:
+            geo = check_decode_args(q, k_shard, v_shard, seq_lens_shard, row_limits=row_limits, sinks=sinks, **kwargs)
+        return _cp_decode_deterministic(q, k_shard, v_shard, seq_lens_shard, geo, row_limits, group, return_lse,
+                                        sinks, kwargs)
     return _exchange(q, lambda o, lse, _: flash_decode(q, k_shard, v_shard, seq_lens_shard, out=AttentionState(o, lse),
-                                                       row_limits=row_limits, _span=span, **kwargs),
+                                                       row_limits=row_limits, _span=span, _geo=geo, **kwargs),
                      group=group, return_lse=return_lse, sinks=sinks)
 
 
-def _cp_decode_deterministic(q, k_shard, v_shard, seq_lens_shard, group, return_lse, sinks, kwargs):
+def _capturing(q) -> bool:
+    return q.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _cp_decode_deterministic(q, k_shard, v_shard, seq_lens_shard, geo, row_limits, group, return_lse, sinks, kwargs):
     """Each rank exports its shard's deterministic split states; one all-gather puts them in global split
-    order; the single-GPU combine merges them: bitwise ``flash_decode(split_size=...)`` on the unsharded
-    cache (Note [Deterministic splits])."""
+    order; the single-GPU combine (or, on the torch path, the same ⊕ in the same order) merges them: bitwise
+    ``flash_decode(..., split_size=...)`` on the unsharded cache (Note [Deterministic splits])."""
     from ..ops.split_kv import export_floats, row_tiling
 
-    geo = check_decode_args(q, k_shard, v_shard, seq_lens_shard, block_table=kwargs.get("block_table"),
-                            kv_layout=kwargs.get("kv_layout", "HND"))
     slots = split_slots(kwargs["split_size"], geo.t_max)
     hq, d = q.shape[-2], q.shape[-1]
-    tiling = row_tiling(geo.q_rows, hq // geo.hkv)
-    exported = _device.new_buffer((export_floats(q.shape[0], geo.hkv, tiling, d, slots),), torch.float32, q.device)
-    flash_decode(q, k_shard, v_shard, seq_lens_shard, _export=exported, **kwargs)
+    world = dist.get_world_size(group)
+    if _device.use_triton(q):
+        tiling = row_tiling(geo.q_rows, hq // geo.hkv)
+        n = export_floats(q.shape[0], geo.hkv, tiling, d, slots)
+    else:
+        n = slots * q.numel() // d * (d + 1)
+    exported = _device.new_buffer((n,), torch.float32, q.device)
+    flash_decode(q, k_shard, v_shard, seq_lens_shard, row_limits=row_limits, _export=exported, _geo=geo, **kwargs)
     gathered = exchange_for(group).gather(exported)
+    if not _device.use_triton(q):
+        st = merge_packed_torch(gathered.view(world * slots, *q.shape[:-1], d + 1), q.dtype, sinks)
+        return st if return_lse else st.o
     o = _device.new_buffer(tuple(q.shape), q.dtype, q.device)
     lse = _device.new_buffer(tuple(q.shape[:-1]), torch.float32, q.device)
-    combine_exported(q, geo.hkv, gathered, dist.get_world_size(group) * slots, o, lse, sinks)
+    combine_exported(q, geo.hkv, gathered, world * slots, o, lse, sinks)
     return AttentionState(o, lse) if return_lse else o
 
 
@@ -196,18 +216,22 @@ def cp_flash_decode(q, k_shard, v_shard, seq_lens_shard, *, group=None, check_me
             device. ``C`` may differ across ranks.
         seq_lens_shard: ``[B]`` int32/int64, valid tokens of this shard (0 for an empty shard), or ``None``.
         group: the process group (default: the world).
-        check_metadata: all-gather ``(B, Hq, D, dtype, Hkv, sm_scale)`` first and raise ``ValueError`` on
-            every rank if they differ or if any rank rejected its arguments (instead of a hang or a wrong
-            merge). It syncs with the host: pass ``False`` on the hot path and inside CUDA graphs.
+        check_metadata: check every argument once and all-gather what must be equal on every rank (q's shape
+            and dtype, the KV heads, ``sm_scale``, ``split_size``, ``logit_softcap``, ``sinks`` and the FP8
+            scales, by value): a mismatch, or an argument any rank rejected, raises ``ValueError`` on every
+            rank naming it, instead of a hang or a wrong merge (Note [Agreement across ranks] in
+            ``distributed/agree.py``). It syncs with the host, and is skipped while a CUDA graph is captured;
+            pass ``False`` on the hot path once the arguments are known to agree.
         **flash_decode_kwargs: ``block_table``, ``sm_scale``, ``num_splits``, ``split_size``, ``kv_layout``,
             ``k_scale``, ``v_scale``, ``logit_softcap``, ``sinks``, ``return_lse`` as in :func:`flash_decode`
-            (``sm_scale``, ``logit_softcap`` and ``sinks`` the same on every rank; ``block_table`` is this
-            rank's; FP8 scales may differ across ranks). The sinks join once, after the merge across ranks.
+            (``block_table`` and ``num_splits`` are this rank's; the others must be equal on every rank). The
+            sinks join once, after the merge across ranks.
             With ``split_size=S`` and contiguous shards of the same capacity, a multiple of ``S`` (e.g.
             :func:`shard_kv` of a cache whose ``T_max`` is a multiple of ``W * S``), the result is bitwise
             ``flash_decode(..., split_size=S)`` on the unsharded cache, for any world size: every rank
             exchanges its per-split states and all run the single-GPU combine (Note [Deterministic splits]
-            in ``ops/split_kv.py``).
+            in ``ops/split_kv.py``); on the CPU torch path the same splits merge in the same order, bitwise
+            ``flash_decode(..., split_size=S)`` there too.
 
     Returns:
         ``o [B, Hq, D]`` in q's dtype, or ``AttentionState(o, lse [B, Hq] float32, natural log)`` with
@@ -252,24 +276,18 @@ def cp_cascade_decode(q, levels, *, group=None, check_metadata=True, **cascade_k
         raise ValueError("q must have one row per request in cp_cascade_decode: several query rows need the causal "
                          "rule in global positions")
     check_bool("check_metadata", check_metadata)
-    check_bool("return_lse", cascade_kwargs.get("return_lse", False))
-    if check_metadata:
-        def meta():
-            check_cascade_args(q, levels, sm_scale=cascade_kwargs.get("sm_scale"),
-                               return_lse=cascade_kwargs.get("return_lse", False), k_scale=cascade_kwargs.get("k_scale"),
-                               v_scale=cascade_kwargs.get("v_scale"), logit_softcap=cascade_kwargs.get("logit_softcap"),
-                               sinks=cascade_kwargs.get("sinks"))
-            lvl = levels[0]
-            hkv = lvl.k.shape[2] if lvl.block_table is not None else lvl.k.shape[1]
-            d = q.shape[-1]
-            return [q.shape[0], 1, q.shape[-2], d, _DTYPE_CODES[q.dtype], hkv,
-                    _scale_bits(cascade_kwargs.get("sm_scale"), d), 0]
-
-        agree(meta, group, "cp_cascade_decode")
     kwargs = dict(cascade_kwargs)
+    checked = None
+    if check_metadata and not _capturing(q):
+        def local():
+            levels_checked = check_cascade_args(q, levels, **kwargs)
+            return cascade_meta(q, levels_checked[0], kwargs), levels_checked
+
+        checked = agree(local, group, "cp_cascade_decode")
     return_lse = kwargs.pop("return_lse", False)
+    check_bool("return_lse", return_lse)
     sinks = kwargs.pop("sinks", None)
     d = q.shape[-1]
     return _exchange(q, lambda o, lse, push: cascade_decode(q, levels, _out=(o.reshape(-1, d), lse.reshape(-1), push),
-                                                            **kwargs),
+                                                            _checked=checked, **kwargs),
                      group=group, return_lse=return_lse, sinks=sinks, pushes=True)
