@@ -7,6 +7,7 @@ import numbers
 from typing import NamedTuple
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from ._constants import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES
 
@@ -21,6 +22,8 @@ def check_tensor(name: str, t, *, dtypes=None, ndim=None, device=None) -> None:
     """``t`` is a tensor with a dtype in ``dtypes``, ``ndim`` dims and on ``device`` (each if given)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type == "meta":
+        raise ValueError(f"{name} must hold data (a CPU or CUDA tensor), got a meta tensor")
     if dtypes is not None and t.dtype not in dtypes:
         allowed = ", ".join(_dtype_name(d) for d in dtypes)
         raise TypeError(f"{name} must have dtype in ({allowed}), got {_dtype_name(t.dtype)}")
@@ -121,6 +124,7 @@ def check_kv_scales(k_scale, v_scale, kv_dtype, q_dtype, hkv: int, device) -> in
             if sc.dim() > 1 or (sc.dim() == 1 and sc.shape[0] != hkv):
                 raise ValueError(f"{name} must be a 0-d or [{hkv}] (one per KV head) float32 tensor, got shape "
                                  f"{tuple(sc.shape)}")
+            check_scale_values(name, sc)
             kinds.add(2)
         elif isinstance(sc, numbers.Real) and not isinstance(sc, bool):
             if not (math.isfinite(sc) and sc > 0):
@@ -131,6 +135,35 @@ def check_kv_scales(k_scale, v_scale, kv_dtype, q_dtype, hkv: int, device) -> in
     if len(kinds) > 1:
         raise TypeError("k_scale and v_scale must both be floats or both be tensors")
     return kinds.pop()
+
+
+# CUDA scale tensors whose values were checked: data_ptr -> the tensor version checked (Note on check_scale_values)
+_CHECKED_SCALES: dict = {}
+
+
+def check_scale_values(name: str, sc: torch.Tensor) -> None:
+    """The values of an FP8 scale tensor are finite and > 0. A CPU tensor is checked at every call; a CUDA tensor
+    once per (address, in-place version), since reading it is a host sync: again after an in-place update, not
+    while a CUDA graph is being captured (a replay reads whatever the tensor holds then), nor for the fake
+    tensors of a torch.compile trace."""
+    if is_fake(sc):
+        return
+    if sc.is_cuda:
+        ptr = sc.data_ptr()
+        if _CHECKED_SCALES.get(ptr) == sc._version or torch.cuda.is_current_stream_capturing():
+            return
+    bad = ~(torch.isfinite(sc) & (sc > 0))
+    if bool(bad.any()):
+        raise ValueError(f"{name} must hold positive finite scales, got {sc[bad].flatten()[:4].tolist()}")
+    if sc.is_cuda:
+        if len(_CHECKED_SCALES) > 4096:
+            _CHECKED_SCALES.clear()
+        _CHECKED_SCALES[ptr] = sc._version
+
+
+def scale_values_checked(sc: torch.Tensor) -> bool:
+    """Whether a CUDA scale tensor's current version was checked (the decode hot path's test)."""
+    return _CHECKED_SCALES.get(sc.data_ptr()) == sc._version
 
 
 def check_variants(window_left, logit_softcap, sinks, hq: int, device) -> None:

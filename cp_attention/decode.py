@@ -29,8 +29,8 @@ import torch
 from . import _device
 from ._constants import LOG2E
 from ._device import use_triton
-from ._validate import (check_bool, check_decode_args, check_kv_scales, check_sm_scale, check_variants,
-                        CacheGeometry, unpack_out)
+from ._validate import (CacheGeometry, check_bool, check_decode_args, check_kv_scales, check_scale_values,
+                        check_sm_scale, check_variants, scale_values_checked, unpack_out)
 from .heuristics import plan_decode
 from .quant import dequantize
 from .state import AttentionState
@@ -278,6 +278,9 @@ def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num
     scale, ks, vs, cap = _scalars(prep.sm_scale, sm_scale, logit_softcap, k_scale, v_scale)
     if isinstance(k_scale, torch.Tensor):
         kscp, vscp = k_scale.data_ptr(), v_scale.data_ptr()
+        if not (scale_values_checked(k_scale) and scale_values_checked(v_scale)):  # once per version
+            check_scale_values("k_scale", k_scale)
+            check_scale_values("v_scale", v_scale)
     else:  # not FP8, or float scales (an FP8 cache without scales was refused when the key was prepared)
         kscp = vscp = qp
     if out is None:

@@ -78,8 +78,9 @@ def attention(q, k, v, seq_lens=None, *, sm_scale=None, kv_layout="HND", row_lim
     o = torch.einsum("bqht,bhtd->bqhd", p, vv)
     if sinks is not None:  # the sink joins the denominator once, with no value
         sink = sinks.to(device=k.device, dtype=ct)[None, None, :].expand_as(lse)
+        # o * e^lse / (e^lse + e^sink); a row with no key keeps o = 0 and a +inf sink gives o = 0, lse = +inf
         total = torch.logaddexp(lse, sink)
-        o = o * torch.exp(lse - total)[..., None]
+        o = o * torch.where(torch.isinf(total), torch.zeros_like(lse), torch.exp(lse - total))[..., None]
         lse = total
     if not multi:
         o, lse = o[:, 0], lse[:, 0]

@@ -117,12 +117,14 @@ def merge_states_torch(o: torch.Tensor, lse: torch.Tensor, out_dtype: torch.dtyp
 
 
 def add_sinks_torch(st: AttentionState, sinks: torch.Tensor) -> AttentionState:
-    """``st ⊕ (0, sink)`` per query head (dim -2 of ``o``), float32. A ``+inf`` sink holds all the mass and no
-    value: ``o = 0``, ``lse = +inf``."""
+    """``st ⊕ (0, sink)`` per query head (dim -2 of ``o``), float32, as the kernels' ``add_sink``: a ``+inf`` sink
+    holds all the mass and no value (``o = 0``, ``lse = +inf``)."""
     sink = sinks.float().expand_as(st.lse)
-    total = torch.logaddexp(st.lse, sink)
-    w = torch.where(sink == float("inf"), torch.zeros_like(total), torch.exp(st.lse - total))
-    return AttentionState(st.o.float() * w[..., None], total)
+    m = torch.maximum(st.lse, sink)
+    one = torch.ones_like(m)
+    w = torch.where(st.lse == m, one, torch.exp(st.lse - m))
+    total = w + torch.where(sink == m, one, torch.exp(sink - m))
+    return AttentionState(st.o.float() * (w / total)[..., None], m + torch.log(total))
 
 
 def unnormalize(o: torch.Tensor, lse: torch.Tensor, m: torch.Tensor):

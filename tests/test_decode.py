@@ -320,6 +320,10 @@ BAD = [
     ("num_splits-zero", lambda: flash_decode(q0, k0, v0, num_splits=0), ValueError, "num_splits"),
     ("return_lse", lambda: flash_decode(q0, k0, v0, return_lse=1), TypeError, "return_lse"),
     ("k-device", lambda: flash_decode(q0, k0.to("meta"), v0), ValueError, "k"),
+    ("all-meta", lambda: flash_decode(q0.to("meta"), k0.to("meta"), v0.to("meta"), lens(64, 3).to("meta")), ValueError,
+     "q"),
+    ("sinks-device", lambda: flash_decode(q0, k0, v0, sinks=torch.zeros(8, device="meta")), ValueError, "sinks"),
+    ("out-meta", lambda: flash_decode(q0, k0, v0, out=q0.to("meta")), ValueError, "out"),
 ]
 
 

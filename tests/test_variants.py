@@ -89,6 +89,32 @@ def test_sinks_join_once(splits):
     assert (got.o[2] == 0).all() and torch.equal(got.lse[2], sinks)
 
 
+@pytest.mark.parametrize("path", ["kernels", "torch"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_an_infinite_sink_takes_all_the_mass(monkeypatch, path, splits):
+    """A +inf sink holds all the mass and has no value: o = 0, lse = +inf on every path (the -inf and large
+    sinks of the other heads as the oracle); flash_decode, merge_states and cascade_decode alike."""
+    if path == "torch":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v, sl = dense_cache(2, 8, 2, 200, 32, [200, 0], q_rows=None, seed=7)
+    if path == "torch":
+        q, k, v, sl = (t.cpu() for t in (q, k, v, sl))
+    sinks = torch.tensor([float("inf"), float("-inf"), 80.0, -80.0, 0.0, 1.0, float("inf"), 2.0], device=q.device)
+    inf = torch.isposinf(sinks)
+    ref = oracle(q, k, v, sl, sinks=sinks)
+    got = flash_decode(q, k, v, sl, sinks=sinks, num_splits=splits, return_lse=True)
+    casc = cascade_decode(q, [CascadeLevel(k[:1, :, :50], v[:1, :, :50], sl[:1] * 0 + 50),
+                              CascadeLevel(k, v, sl)], sinks=sinks, return_lse=True)
+    parts = [flash_decode(q, k[:, :, a:b], v[:, :, a:b], (sl - a).clamp(0, b - a), return_lse=True)
+             for a, b in ((0, 120), (120, 200))]
+    merged = merge_states(torch.stack([p.o for p in parts]), torch.stack([p.lse for p in parts]), sinks=sinks)
+    for st in (got, merged):
+        assert (st.o[:, inf] == 0).all() and torch.isposinf(st.lse[:, inf]).all()
+        torch.testing.assert_close(st.o[:, ~inf].double(), ref.o[:, ~inf], atol=2e-5, rtol=2e-5)
+    assert (casc.o[:, inf] == 0).all() and torch.isposinf(casc.lse[:, inf]).all()
+    assert not torch.isnan(casc.o).any() and not torch.isnan(casc.lse).any()
+
+
 def test_all_three_together_in_bf16_with_draft_rows_and_pages():
     q, k, v, sl = dense_cache(3, 8, 2, 250, 64, [250, 90, 3], q_rows=4, dtype=torch.bfloat16, seed=8)
     q = (q.float() * 8).to(torch.bfloat16)

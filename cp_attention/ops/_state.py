@@ -561,10 +561,12 @@ def unpair_state(o, lse, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, W: tl.con
 @triton.jit
 def add_sink(o, lse, sink, AX: tl.constexpr = 1):
     """``(o, lse) ⊕ (0, sink)``: one extra logit per row in the softmax denominator, with no value (attention
-    sinks). A row that saw no key gets ``o = 0``, ``lse = sink``. ``AX``: the head dim's axis of ``o``."""
+    sinks). A row that saw no key gets ``o = 0``, ``lse = sink``; a ``+inf`` sink holds all the mass: ``o = 0``,
+    ``lse = +inf``. As in every merge here, the term equal to the max weighs exactly 1 (no ``inf - inf``).
+    ``AX``: the head dim's axis of ``o``."""
     m = tl.maximum(lse, sink)
-    w = tl.exp2((lse - m) * LOG2E)
-    total = w + tl.exp2((sink - m) * LOG2E)
+    w = tl.where(lse == m, 1.0, tl.exp2((lse - m) * LOG2E))
+    total = w + tl.where(sink == m, 1.0, tl.exp2((sink - m) * LOG2E))
     return o * tl.expand_dims(w / total, AX), m + tl.log2(total) * LN2
 
 
