@@ -22,7 +22,7 @@ fails records its error, and the other numbers stay.
     PYTHONPATH=. python3 benchmarks/bench_decode.py --quick
     PYTHONPATH=. python3 benchmarks/bench_decode.py --shapes 1x128k 64x8k --heads --impls cp_attention sdpa
 
-FlashInfer (0.7.2.post1 and apache-tvm-ffi wheels in .fi/, made by ../shared/tools/flashinfer_wheels.sh)
+FlashInfer (the flashinfer-python 0.7.2.post1 and apache-tvm-ffi wheels, for example in .fi/)
 is installed on the device first; without it the FlashInfer rows record the import error:
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .fi/*.whl && export PYTHONPATH=/tmp/site:. CUDA_HOME=/usr/local/cuda FLASHINFER_WORKSPACE_BASE=/tmp
@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import peers  # noqa: E402
 from benchmarks._harness import (  # noqa: E402
     CUDNN_READ_TBS, DTYPES, GRAPH_CALLS, READ_CEILING_TBS, RESULTS, TOLERANCES, bench_call, bench_graph, kernel_names,
-    max_abs_diff, table, tbs, tqdm, write_json,
+    max_abs_diff, table, tbs, tqdm, write_json, write_tables,
 )
 
 
@@ -303,6 +303,7 @@ def main():
         skipped = " ".join(f"{c['B']}x{tokens_str(c['T'])}({c['Hq']}/{c['Hkv']}/{c['D']})" for c in not_run)
         print(f"time budget of {args.time_budget_s:g} s reached, not run: {skipped}")
     print(f"wrote {json_path}" + (f" and {png}" if rows else ""))
+    write_tables(args.name)
     print(table(summary(rows), ["B", "T", "heads", "cp graph", "sdpa graph", "xqa graph", "fa2 graph", "xqa8 graph",
                                 "cp8 graph", "cp call", "sdpa call", "cp/sdpa graph", "cp/sdpa call", "cp8/cp graph"]))
 
