@@ -440,7 +440,7 @@ def rewrite(text: str, tables=TABLES, results: Path = RESULTS) -> str:
             continue
         body = render(table, results)
         if body is not None:
-            text = pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(3), text)
+            text = pattern.sub(lambda m, body=body: m.group(1) + body + "\n" + m.group(3), text)
     return text
 
 
