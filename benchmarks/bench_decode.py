@@ -252,7 +252,7 @@ def main():
     ap.add_argument("--heads", nargs="*", metavar="HQ,HKV,D",
                     help=f"other head shapes (default: {' '.join(OTHER_HEADS)}; none with --quick; no value: none)")
     ap.add_argument("--head-shapes", nargs="+", default=HEAD_SHAPES, metavar="BxT", help="shapes of the --heads")
-    ap.add_argument("--quick", action="store_true", help="the four shapes of DESIGN.md's peer table only")
+    ap.add_argument("--quick", action="store_true", help="four shapes only: B=1 T=8k, B=1 T=128k, B=16 T=32k, B=64 T=8k")
     ap.add_argument("--impls", nargs="+", default=DEFAULT_IMPLS, choices=list(IMPLS))
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     ap.add_argument("--time-budget-s", type=float, default=420.0,
