@@ -1,5 +1,6 @@
 """The one place for what every benchmark script shares: timing, CUDA-graph capture, the read ceiling,
-dtypes, tolerances, output comparison, the kernels a call launches, JSON results and the text table.
+dtypes, tolerances, output comparison, the kernels a call launches, JSON results, the text table, and the
+tables of docs/performance.md written from the JSON (:func:`write_tables`).
 
 Timing (all medians from ``triton.testing.do_bench``, which flushes the L2 with a 256 MB memset before
 every timed run; at least :data:`MIN_RUNS` timed runs each):
@@ -194,6 +195,15 @@ def write_json(name: str, payload: dict) -> Path:
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps({"environment": environment(), **payload}, indent=1, default=str))
     return path
+
+
+def write_tables(name: str) -> None:
+    """Rewrite the tables drawn from ``benchmarks/results/<name>.json`` in docs/performance.md and README.md
+    (``benchmarks/tables.py``; ``python -m benchmarks.tables`` rewrites them all without a GPU)."""
+    from benchmarks import tables
+
+    for doc in tables.update(name):
+        print(f"rewrote the {name} tables of {doc.relative_to(tables.ROOT)}")
 
 
 def fmt(x) -> str:

@@ -145,8 +145,8 @@ def gpu_parts(q, k, v, seq_lens, calls: int) -> list[dict]:
     launch (a diagnostic, not an API): the whole call; the call with the launch replaced by a C callable
     that only takes its argument tuple (the library's part, CUDA allocation and queries included); the
     launch alone as the library makes it and through Triton's ``run`` (its Python wrapper, its C launcher
-    and the driver); ``torch.empty_like`` and ``torch.empty`` as the library and the code before it
-    allocated."""
+    and the driver); ``torch.empty_like`` as the library allocates, and ``torch.empty`` with a tuple and with
+    a positional ``torch.Size`` for comparison."""
     from benchmarks._harness import host_call_us
     from cp_attention import decode, flash_decode
 
@@ -185,5 +185,5 @@ def gpu_parts(q, k, v, seq_lens, calls: int) -> list[dict]:
             {"part": "torch.empty_like(q) (the library's allocation)", "us": median_us(lambda: torch.empty_like(q))},
             {"part": "torch.empty(size=tuple, dtype=, device=)", "us": median_us(
                 lambda: torch.empty(size=size, dtype=q.dtype, device=q.device))},
-            {"part": "torch.empty(torch.Size, dtype=, device=) (before)", "us": median_us(
+            {"part": "torch.empty(torch.Size, dtype=, device=) (a positional shape)", "us": median_us(
                 lambda: torch.empty(shape, dtype=q.dtype, device=q.device))}]

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import peers  # noqa: E402
 from benchmarks._harness import (  # noqa: E402
-    RESULTS, kernel_names, measure, table, tqdm, write_json,
+    RESULTS, kernel_names, measure, table, tqdm, write_json, write_tables,
 )
 from cp_attention import CascadeLevel, cascade_decode  # noqa: E402
 
@@ -183,6 +183,7 @@ def main():
         if "sdpa_kernels" in r:
             print(f"{r['shape']}: sdpa kernels {', '.join(r['sdpa_kernels'])}")
     print(f"wrote {path} and {png}")
+    write_tables(args.name)
     print(table(shapes + sweep, ["shape", "B", "P", "S"] + [f"{n}_graph_us" for n in names] +
                 ["prefix_graph_TFLOPs", "cascade_graph_speedup", "fi_cascade_graph_speedup", "cascade_call_us",
                  "flat_flash_decode_call_us", "cascade_call_speedup"]))

@@ -41,7 +41,7 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._harness import (  # noqa: E402
-    DTYPES, GRAPH_CALLS, RESULTS, bench_call, capture, max_abs_diff, table, tqdm, write_json,
+    DTYPES, GRAPH_CALLS, RESULTS, bench_call, capture, max_abs_diff, table, tqdm, write_json, write_tables,
 )
 from cp_attention import AttentionState, CascadeLevel, cascade_decode, flash_decode  # noqa: E402
 from cp_attention.state import normalize, unnormalize  # noqa: E402
@@ -355,6 +355,7 @@ def main(argv=None):
             png = RESULTS / f"{args.name}.png"
             plot(rows, args, world, png)
             print(f"wrote {path} and {png}")
+            write_tables(args.name)
             print(table(rows, cols))
             if cascade_rows:
                 print(table(cascade_rows, ["batch", "context", "single_graph_us", "single_call_us", "local_graph_us"]

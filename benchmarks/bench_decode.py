@@ -22,7 +22,7 @@ fails records its error, and the other numbers stay.
     PYTHONPATH=. python3 benchmarks/bench_decode.py --quick
     PYTHONPATH=. python3 benchmarks/bench_decode.py --shapes 1x128k 64x8k --heads --impls cp_attention sdpa
 
-FlashInfer (0.7.2.post1 and apache-tvm-ffi wheels in .fi/, made by ../shared/tools/flashinfer_wheels.sh)
+FlashInfer (the flashinfer-python 0.7.2.post1 and apache-tvm-ffi wheels, for example in .fi/)
 is installed on the device first; without it the FlashInfer rows record the import error:
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .fi/*.whl && export PYTHONPATH=/tmp/site:. CUDA_HOME=/usr/local/cuda FLASHINFER_WORKSPACE_BASE=/tmp
@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import peers  # noqa: E402
 from benchmarks._harness import (  # noqa: E402
     CUDNN_READ_TBS, DTYPES, GRAPH_CALLS, READ_CEILING_TBS, RESULTS, TOLERANCES, bench_call, bench_graph, kernel_names,
-    max_abs_diff, table, tbs, tqdm, write_json,
+    max_abs_diff, table, tbs, tqdm, write_json, write_tables,
 )
 
 
@@ -252,7 +252,7 @@ def main():
     ap.add_argument("--heads", nargs="*", metavar="HQ,HKV,D",
                     help=f"other head shapes (default: {' '.join(OTHER_HEADS)}; none with --quick; no value: none)")
     ap.add_argument("--head-shapes", nargs="+", default=HEAD_SHAPES, metavar="BxT", help="shapes of the --heads")
-    ap.add_argument("--quick", action="store_true", help="the four shapes of DESIGN.md's peer table only")
+    ap.add_argument("--quick", action="store_true", help="four shapes only: B=1 T=8k, B=1 T=128k, B=16 T=32k, B=64 T=8k")
     ap.add_argument("--impls", nargs="+", default=DEFAULT_IMPLS, choices=list(IMPLS))
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     ap.add_argument("--time-budget-s", type=float, default=420.0,
@@ -303,6 +303,7 @@ def main():
         skipped = " ".join(f"{c['B']}x{tokens_str(c['T'])}({c['Hq']}/{c['Hkv']}/{c['D']})" for c in not_run)
         print(f"time budget of {args.time_budget_s:g} s reached, not run: {skipped}")
     print(f"wrote {json_path}" + (f" and {png}" if rows else ""))
+    write_tables(args.name)
     print(table(summary(rows), ["B", "T", "heads", "cp graph", "sdpa graph", "xqa graph", "fa2 graph", "xqa8 graph",
                                 "cp8 graph", "cp call", "sdpa call", "cp/sdpa graph", "cp/sdpa call", "cp8/cp graph"]))
 

@@ -3,8 +3,8 @@
 e4m3 caches (per-tensor scales), Hq=32, Hkv=8, D=128, every sequence at the full context T. Each case runs the
 same call three ways: on the bf16 cache, on the e4m3 cache with the policy's plan (the one-warp kernel on sm_90
 where ``heuristics.one_warp_fp8`` and ``one_warp_plan`` take the call), and on the e4m3 cache with the Triton
-kernel's plan (``decode_plan``, what the policy gave these calls before the one-warp kernel took them). µs per call with 20
-calls captured in one CUDA graph and per eager call (benchmarks/_harness.py). Sections:
+kernel's plan (``decode_plan``: the Triton FP8 kernel on the same call). µs per call with 20 calls captured in
+one CUDA graph and per eager call (benchmarks/_harness.py). Sections:
 
 * ``rows``: B=1 T=128k and B=16 T=32k with Q = 1, 4, 5 and 8 query rows (the causal rule among the drafts),
   i.e. 4, 16, 20 and 32 rows per KV head;
@@ -29,9 +29,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._harness import RESULTS, TOLERANCES, measure, table, tqdm, write_json  # noqa: E402
+from benchmarks._harness import RESULTS, TOLERANCES, measure, table, tqdm, write_json, write_tables  # noqa: E402
 from cp_attention import flash_decode, quantize_kv  # noqa: E402
-from cp_attention.heuristics import FP8_ONE_WARP_LONG, decode_plan, num_sms, one_warp_fp8, one_warp_plan  # noqa: E402
+from benchmarks.peers import sm_count  # noqa: E402
+from cp_attention.heuristics import FP8_ONE_WARP_LONG, decode_plan, one_warp_fp8, one_warp_plan  # noqa: E402
 
 HQ, HKV, D, DT = 32, 8, 128, torch.bfloat16
 WINDOW = 4096
@@ -78,11 +79,11 @@ def main():
             kw["row_limits"] = torch.stack([torch.zeros_like(end), end], -1).expand(b, q_rows, 2).int().contiguous()
         rows_kv = q_rows * HQ // HKV
         reach = t if "window_left" not in kw else min(t, WINDOW + q_rows)
-        plan = decode_plan(b, HKV, reach, D, DT, num_sms(q.device), kv_dtype=torch.float8_e4m3fn,
+        plan = decode_plan(b, HKV, reach, D, DT, sm_count(q.device), kv_dtype=torch.float8_e4m3fn,
                            aligned="window_left" not in kw and "row_limits" not in kw, rows=rows_kv)
         # the policy's kernel: a window's (or row limits') splits start a tile below the first key
         one_warp = (one_warp_fp8(q.device, torch.float8_e4m3fn, D, rows_kv, reach, True)
-                    and one_warp_plan(b, HKV, min(t, reach + FP8_ONE_WARP_LONG.block_n - 1), num_sms(q.device),
+                    and one_warp_plan(b, HKV, min(t, reach + FP8_ONE_WARP_LONG.block_n - 1), sm_count(q.device),
                                       rows=rows_kv) is not None)
         row = {"section": section, "B": b, "T": t, "Q": q_rows, "what": what,
                "e4m3_kernel": "one-warp" if one_warp else "triton"}
@@ -108,6 +109,7 @@ def main():
             if key.endswith("_error") or (key.endswith("_ok") and not val):
                 print(f"{r['section']} B={r['B']} T={r['T']} {r['what']}: {key} = {val}")
     print(f"wrote {path} and {RESULTS / 'bench_fp8_variants.png'}")
+    write_tables("bench_fp8_variants")
     print(table(rows, ["section", "B", "T", "what", "e4m3_kernel", "bf16_graph_us", "e4m3 triton_graph_us",
                        "e4m3_graph_us", "e4m3 triton / bf16", "e4m3 / bf16"]))
 

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import peers  # noqa: E402
 from benchmarks._harness import (  # noqa: E402
-    READ_CEILING_TBS, RESULTS, bench_call, bench_graph, max_abs_diff, table, tbs, tqdm, write_json,
+    READ_CEILING_TBS, RESULTS, bench_call, bench_graph, max_abs_diff, table, tbs, tqdm, write_json, write_tables,
 )
 from cp_attention import lse_from_base2, merge_states  # noqa: E402
 
@@ -110,6 +110,7 @@ def main():
             if key.endswith("_error"):
                 print(f"{r['dtype']} N={r['N']}: {key} = {val}")
     print(f"wrote {path} and {png}")
+    write_tables("bench_merge")
     print(table(rows, ["dtype", "N", "MB"] + [f"{name}_{m}" for m in ("call_us", "graph_us", "graph_TBs")
                                              for name in IMPLS] + [f"{name}_maxdiff" for name in IMPLS]))
 

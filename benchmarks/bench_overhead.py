@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import peers  # noqa: E402
-from benchmarks._harness import gpu_activity, host_call_us, kernel_names, table, tqdm, write_json  # noqa: E402
+from benchmarks._harness import gpu_activity, host_call_us, kernel_names, table, tqdm, write_json, write_tables  # noqa: E402
 from cp_attention import flash_decode  # noqa: E402
 
 PROFILED_CALLS = 50
@@ -142,6 +142,7 @@ def main():
     for r in rows:
         print(f"{r['what']}: {r['kernels']}")
     print(f"wrote {path}")
+    write_tables("bench_overhead")
     print(table(rows, ["what", "loop_us", "call_us", "gpu_gap_us", "gpu_per_call"]))
     print("\nparts of one flash_decode(q, k, v, seq_lens) call (median µs of single synchronized calls):")
     print(table(parts, ["part", "us"]))

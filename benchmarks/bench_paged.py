@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import peers  # noqa: E402
-from benchmarks._harness import RESULTS, TOLERANCES, measure, table, tbs, tqdm, write_json  # noqa: E402
+from benchmarks._harness import RESULTS, TOLERANCES, measure, table, tbs, tqdm, write_json, write_tables  # noqa: E402
 from cp_attention import flash_decode  # noqa: E402
 
 HQ, HKV, D, DT = 32, 8, 128, torch.bfloat16
@@ -139,6 +139,7 @@ def main():
         print("time budget reached, not run:", "; ".join(not_run))
     names = sorted({k[: -len("_graph_us")] for r in rows for k in r if k.endswith("_graph_us")})
     print(f"wrote {path}")
+    write_tables(args.name)
     print(table([{**{c: r[c] for c in ("section", "B", "T", "Q")},
                   **{n: r.get(f"{n}_graph_us", "") for n in names}} for r in rows], ["section", "B", "T", "Q"] + names))
 

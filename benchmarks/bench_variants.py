@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._harness import RESULTS, measure, table, write_json  # noqa: E402
+from benchmarks._harness import RESULTS, measure, table, write_json, write_tables  # noqa: E402
 from cp_attention import flash_decode  # noqa: E402
 
 HQ, HKV, D, DT = 32, 8, 128, torch.bfloat16
@@ -80,6 +80,7 @@ def main():
     path = write_json("bench_variants", {"rows": rows})
     plot(rows)
     print(f"wrote {path} and {RESULTS / 'bench_variants.png'}")
+    write_tables("bench_variants")
     print(table(rows, ["section", "B", "T", "what", "cp_graph_us", "cp_call_us", "vs_plain_window", "vs_plain"]))
 
 

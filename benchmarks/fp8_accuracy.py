@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._harness import table, write_json  # noqa: E402
+from benchmarks._harness import table, write_json, write_tables  # noqa: E402
 from cp_attention import flash_decode, quantize_kv  # noqa: E402
 from cp_attention.reference import attention  # noqa: E402
 
@@ -56,6 +56,7 @@ def main():
     path = write_json("fp8_accuracy", {"device": device, "shape": "B=2, Hq=32, Hkv=8, D=128", "rows": rows})
     print(table(rows, list(rows[0])))
     print(f"wrote {path}")
+    write_tables("fp8_accuracy")
 
 
 if __name__ == "__main__":

@@ -31,11 +31,15 @@ def cp_attention(q, k, v):
     return lambda: flash_decode(q, k, v)
 
 
+def sm_count(device) -> int:
+    """Streaming multiprocessors of a CUDA ``device`` (what the library's plans count)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def cp_splits(q, k) -> int:
     """The split count flash_decode uses for ``q``, ``k``."""
     b, hkv, t, d = k.shape
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    return heuristics.decode_plan(b, hkv, t, d, q.dtype, sms).num_splits
+    return heuristics.decode_plan(b, hkv, t, d, q.dtype, sm_count(q.device)).num_splits
 
 
 def cp_attention_fp8(q, k, v, *, dtype=torch.float8_e4m3fn, per_head: bool = False):

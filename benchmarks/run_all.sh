@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Every GPU measurement of benchmarks/NOTES.md in one go on a 2-GPU machine, one-GPU benchmarks on both GPUs
+# Every GPU measurement of docs/performance.md in one go on a 2-GPU machine, one-GPU benchmarks on both GPUs
 # at once, the two-GPU ones after; each step under its own time limit, its output kept even if it fails.
+# Each script writes its JSON and PNG under benchmarks/results/ and its tables into docs/performance.md.
 #   usage: benchmarks/run_all.sh OUT_DIR [one|two|cp|all]   (from the checkout; FlashInfer wheels in .fi/ if present)
 # "one": the one-GPU benchmarks (~6 min), "two": context parallel and generation (~9 min), "cp": the context-
 # parallel part of "two" alone (~3 min), "all" (default).
-# Writes OUT_DIR/logs/*.txt, the JSON/PNG files of benchmarks/results/, and OUT_DIR/all.tgz holding both.
+# Writes OUT_DIR/logs/*.txt (the printed output), the JSON/PNG files of benchmarks/results/ (copied to OUT_DIR
+# too), the tables of docs/performance.md and README.md, and OUT_DIR/all.tgz holding the logs and results.
 set -u
 out=${1:?usage: benchmarks/run_all.sh OUT_DIR [one|two|all]}
 part=${2:-all}
@@ -53,12 +55,13 @@ python3 -c "import json, random; random.seed(0); json.dump([[1]], open('/tmp/cpa
 json.dump([[random.randrange(128000) for _ in range(131072)]], open('/tmp/cpa_p128k.json', 'w'))"
 gen="launch/generate.py --random-config llama3-8b --prompts"
 step generate_w1 150 env CUDA_VISIBLE_DEVICES=0 $tr --nproc-per-node=1 $gen /tmp/cpa_p1.json --new-tokens 16 \
-  --fill-context 32768 131072 524288 --profile-steps 4 --output "$out/generate_w1.json"
+  --fill-context 32768 131072 524288 --profile-steps 4 --output benchmarks/results/generate_w1.json
 step generate_w2 150 $tr --nproc-per-node=2 $gen /tmp/cpa_p1.json --new-tokens 16 \
-  --fill-context 32768 131072 524288 1048576 --profile-steps 4 --output "$out/generate_w2.json"
+  --fill-context 32768 131072 524288 1048576 --profile-steps 4 --output benchmarks/results/generate_w2.json
 step prefill_w1 90 env CUDA_VISIBLE_DEVICES=0 $tr --nproc-per-node=1 $gen /tmp/cpa_p128k.json --new-tokens 2 \
-  --output "$out/generate_prefill_w1.json"
-step prefill_w2 90 $tr --nproc-per-node=2 $gen /tmp/cpa_p128k.json --new-tokens 2 --output "$out/generate_prefill_w2.json"
+  --output benchmarks/results/generate_prefill_w1.json
+step prefill_w2 90 $tr --nproc-per-node=2 $gen /tmp/cpa_p128k.json --new-tokens 2 --output benchmarks/results/generate_prefill_w2.json
 fi
+python3 -m benchmarks.tables  # the generation table (launch/generate.py writes only its JSON)
 cp benchmarks/results/*.json benchmarks/results/*.png "$out/" 2>/dev/null
 tar czf "$out/all.tgz" -C "$out" logs $(cd "$out" && ls *.json *.png 2>/dev/null)

@@ -31,7 +31,7 @@ from cp_attention import flash_decode  # noqa: E402
 
 def cp_attention_det(q, k, v):
     """flash_decode with deterministic splits as many as the policy's (``split_size`` = T / S rounded up to
-    128): the split kernel without its fused combine, then the separate combine kernel."""
+    128): the split kernel, then the combine kernel of deterministic splits."""
     s = peers.cp_splits(q, k)
     size = (-(-k.shape[2] // s) + 127) // 128 * 128
     return lambda: flash_decode(q, k, v, split_size=size)

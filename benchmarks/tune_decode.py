@@ -53,7 +53,7 @@ def candidates(q, k, v, configs, kv_dtype, kwargs, page: int = 0):
     """``(config label, split count, callable)`` for every (tile config, split count) to time on this shape
     (``k``, ``v`` ``[B, Hkv, T, D]`` give the plan's shape; ``kwargs`` hold the cache form's arguments)."""
     b, hkv, t, d = k.shape
-    sms = heuristics.num_sms(q.device)
+    sms = peers.sm_count(q.device)
     splits = [s for s in SPLITS if b * hkv * s <= 8 * sms]
     out = []
     for cfg in configs:
@@ -96,7 +96,7 @@ def main():
             if best is None or us < best["graph_us"]:
                 best = r
         policy = lambda: flash_decode(q, **kwargs)  # noqa: E731
-        plan = heuristics.decode_plan(b, hkv, t, d, q.dtype, heuristics.num_sms(q.device), kv_dtype=kf.dtype,
+        plan = heuristics.decode_plan(b, hkv, t, d, q.dtype, peers.sm_count(q.device), kv_dtype=kf.dtype,
                                       page_size=page_size(args.cache))
         bests.append(dict(best, policy_cfg="x".join(map(str, plan.config)), policy_S=plan.num_splits,
                           policy_graph_us=bench_graph(policy, rep=args.rep_ms),

@@ -4,7 +4,7 @@ Note [Split count]
 ------------------
 Decode reads every K/V byte once, so the only goal is to keep every SM's loads in flight. The grid has
 ``B * Hkv`` programs per split; with a small batch that is far fewer than the SMs, so the KV sequence is
-split ``S`` ways. :func:`num_splits` is FlashAttention-2's wave-efficiency rule (seed 002 section 6).
+split ``S`` ways. :func:`num_splits` is FlashAttention-2's wave-efficiency rule.
 :func:`decode_plan` is the policy :func:`cp_attention.flash_decode` uses and :func:`prefix_plan` the one
 of the shared-segment kernel of :func:`cp_attention.cascade_decode`. Both decide from shapes and the cache
 capacity ``T_max`` only (never from device values), so a CUDA graph can be replayed with new ``seq_lens``.
@@ -12,6 +12,8 @@ capacity ``T_max`` only (never from device values), so a CUDA graph can be repla
 Plans are NamedTuples, the way FlashInfer's ``plan()`` decides what its ``run()`` replays: a caller may
 build one here and pass it to :func:`cp_attention.flash_decode` (``plan=``) to run another tile config
 or split count (``benchmarks/tune_decode.py`` does).
+
+Each config and policy below carries a one-line reason; the measurements behind them are in docs/tuning.md.
 """
 from __future__ import annotations
 
@@ -91,18 +93,13 @@ def one_warp_plan(batch: int, num_kv_heads: int, t_max: int, num_sms: int, split
     rows). A paged cache (``page_size`` > 0) gets the dense plan's splits, with one block-table entry read a tile
     where a page holds whole tiles (``page_tiles``: pages of a multiple of 16), else one a key. ``rows``: query rows
     per KV head (query rows x GQA group). 17-32 rows take :data:`FP8_ROWS_32`'s programs of two warps (16 rows each,
-    one ring), one a split, four per SM, where the pages hold whole 32-key tiles; elsewhere row tiles of 16, a
-    program each, counted in the wave like KV heads (H200, e4m3, 32/8/128, graph µs, two warps / row tiles / the
-    Triton kernel: 20 rows at B=1 T=128k 86.4-87.4 / 96.3-99.8 / 115.7-115.9, 32 rows 89.5-90.3 / 93.2-98.6 / 116.6,
-    at B=16 T=32k 335-367 / 390-394 / 437 and 350-381 / 388-402 / 443, B=64 T=8k 32 rows 338-378 / 380-393 / 433;
-    benchmarks/NOTES.md, twenty-third round). ``None`` where the splits would hold fewer than
-    :data:`ONE_WARP_KEYS_PER_ROW` keys a row (the Triton kernel's plan then: :func:`decode_plan`). Head dim 256
-    (``head_dim``) keeps :data:`FP8_ONE_WARP`'s 16-key tiles (the bytes of a 32-key tile at 128; 32-key tiles take
-    48 KB, eight do not fit an SM): H200, e4m3, 16/8/256, graph µs, against four programs per SM in 16- or 32-key
-    tiles: B=1 T=128k 138.2-138.4 / 155.1-156.2 / 140.5-140.8, B=16 T=32k 504.2-508.0 / 611.6-645.6 / 538.4-567.2,
-    B=64 T=8k 503.5-508.4 / 624.3-657.8 / 554.5-613.6, B=4 T=32k 140.4-143.7 / 158.2-162.2 / 142.0-146.6
-    (benchmarks/NOTES.md, twenty-fifth round). There it plans at most :data:`ONE_WARP_PLAN_ROWS_256` rows (``None``
-    above: the Triton kernel's plan).
+    one ring), one a split, four per SM, where the pages hold whole 32-key tiles (faster than row tiles, which
+    each read the split's K/V); elsewhere row tiles of 16, a program each, counted in the wave like KV heads.
+    ``None`` where the splits would hold fewer than :data:`ONE_WARP_KEYS_PER_ROW` keys a row (the Triton kernel's
+    plan then: :func:`decode_plan`). Head dim 256 (``head_dim``) keeps :data:`FP8_ONE_WARP`'s 16-key tiles at
+    eight programs per SM (the bytes of a 32-key tile at 128; 32-key tiles take 48 KB, eight do not fit an SM, and
+    four programs per SM in 16- or 32-key tiles were slower). There it plans at most
+    :data:`ONE_WARP_PLAN_ROWS_256` rows (``None`` above: the Triton kernel's plan). Measurements: docs/tuning.md.
 
     >>> [one_warp_plan(1, 8, t, 132)[:3] for t in (131072, 1 << 20)]  # doctest: +NORMALIZE_WHITESPACE
     [(DecodeConfig(block_n=32, num_warps=1, num_stages=3, programs=4, maxnreg=0, warp_rows=16), 66, 63),
@@ -160,9 +157,8 @@ class DecodeConfig(NamedTuple):
     (software-pipelined K/V tiles in flight); ``programs``: programs that share an SM where measured (0:
     estimated from the shared memory of the K/V stages); ``maxnreg``: registers per thread the compiler may
     use (0: its choice), where a config counts on ``programs`` that the registers would otherwise not let
-    in: pages of 64 in 64-key tiles took 143 registers on the H200 (three programs per SM, 156 µs at B=64
-    T=2k) where pages of 16 took 110 (four, 125 µs). (Capping every config that sets ``programs`` made pages
-    of one position 33% slower at B=64 T=8k.) ``warp_rows``: the query rows each warp holds in the one-warp FP8
+    in (set by :data:`FOUR_PER_SM` and :data:`WIDE_PAGES` only: capping every config that sets ``programs``
+    was slower; docs/tuning.md). ``warp_rows``: the query rows each warp holds in the one-warp FP8
     kernel (16, one ``m16n8k16`` row block: Note [One-warp FP8 tiles]); 0 for the Triton kernels."""
 
     block_n: int
@@ -206,9 +202,8 @@ class DecodePlan(NamedTuple):
 
 # A split's block-table entries held in registers at most (Note [Paged tiles from registers]). A tile's
 # pages are gathered through shared memory, whose cost does not grow with the entries; 2048 entries take
-# 198 registers (bf16) or 247 (FP8) on sm_90 without spills. Measured on the H200 (graph µs, same process):
-# pages of 16 at B=64 T=8k 479.9 against 478.3 dense, B=16 T=128k (four splits of 2048 entries) 1908
-# against 1876, where the table in the loop took 490.2 and 1985.6.
+# 198 registers (bf16) or 247 (FP8) on sm_90 without spills, and run within 2% of the dense cache
+# (docs/tuning.md).
 MAX_SPLIT_PAGES = 2048
 # Where the dense plan's splits hold more entries, splits capped at MAX_SPLIT_PAGES entries are planned when
 # they still hold at least this many tiles (pages of 16 or more with 128-key tiles).
@@ -236,31 +231,22 @@ FOUR_PER_SM = DecodeConfig(64, 4, 2, programs=4, maxnreg=128)  # 65536 registers
 FP8_TWO_WARPS = DecodeConfig(64, 2, 3, programs=4)
 # The one-warp FP8 kernel of sm_90 (ops/split_kv_fp8.py, :func:`one_warp_fp8`): 16-key tiles, one warp, a ring
 # of three stages, eight programs per SM (142-144 registers with the keys as the mma rows, up to 8 rows; 184-195
-# with 16; 12 KB of shared memory; H200, e4m3, 32/8/128, graph µs at one wave: 8 programs a SM against 12 at B=1
-# T=128k 77.2 / 81.7, B=16 T=32k 259.9 / 270.9, B=64 T=8k 271.3 / 277.6, B=1 T=1M 530.2 / 516.9;
-# benchmarks/NOTES.md, nineteenth round; again with the keys as the rows, twenty-sixth round: 12 level or slower);
-# at head dim 256 the same tiles hold twice the bytes (237-242 registers up to 8 rows, 255 above, 24 KB)
+# with 16; 12 KB of shared memory; twelve per SM were level or slower: docs/tuning.md); at head dim 256 the same
+# tiles hold twice the bytes (237-242 registers up to 8 rows, 255 above, 24 KB)
 FP8_ONE_WARP = DecodeConfig(16, 1, 3, programs=8, warp_rows=16)
 # ... in 32-key tiles (168 registers up to 8 rows, 225-227 above, 24 KB; still eight per SM) for splits of more
-# than LONG_SPLIT_KEYS positions: H200, e4m3, 32/8/128, graph µs, ABBA in one process: B=1 T=1M (7944 a split)
-# 496.0-498.1 against 555.1-568.3 in 16-key tiles; B=1 T=128k (1008) 77.2 against 75.5-75.8, B=64 T=8k (4096)
-# 260.6-261.3 against 257.7-258.8, B=16 T=32k (4096) level (benchmarks/NOTES.md, nineteenth round)
+# than LONG_SPLIT_KEYS positions, where fewer, longer tiles win (at 4096 and below 16-key tiles are level or
+# faster: docs/tuning.md)
 FP8_ONE_WARP_LONG = DecodeConfig(32, 1, 3, programs=8, warp_rows=16)
 LONG_SPLIT_KEYS = 4096
 # ... in 32-key tiles at four programs per SM (the same kernel as FP8_ONE_WARP_LONG, half the splits, each
-# twice as long) where FP8_ONE_WARP's splits hold at most FEW_SPLIT_KEYS positions: H200, e4m3, 32/8/128, graph
-# µs against FP8_ONE_WARP's plan, two or three interleaved rounds: B=1 T=8k 13.4 / 15.2-15.5, 16k 16.6-16.9 /
-# 18.9, 32k 24.5 / 27.1, 64k 39.7 / 41.6, 128k 68.6-69.0 / 71.6-72.0, 256k 127.1 / 130.5-130.9, B=4 T=32k
-# 70.1 / 71.7, B=2 T=128k 128.1 / 131.6-132.0; where the splits are longer it was no faster: B=1 T=1M
-# 484.9-498.7 / 482.1-483.1, B=16 T=32k 243.7-269.3 / 253.4-254.3 (bimodal), 5 or 6 programs per SM and
-# deeper rings slower at 128k (benchmarks/NOTES.md, twenty-first round)
+# twice as long) where FP8_ONE_WARP's splits hold at most FEW_SPLIT_KEYS positions: short splits pay their
+# fixed cost (ring fill, state) less often; where the splits are longer it was no faster (docs/tuning.md)
 FP8_ONE_WARP_FEW = DecodeConfig(32, 1, 3, programs=4, warp_rows=16)
 FEW_SPLIT_KEYS = 2048
 # ... and up to LONG_SPLIT_KEYS where the keys are the mma rows (at most 8 rows a KV head: Note [Keys as the mma
-# rows]), whose tiles take fewer registers: H200, e4m3, 32/8/128, graph µs, three interleaved rounds, 16-key tiles
-# at eight an SM / 32-key at four: B=64 T=8k (4096 a split) 260.3-276.8 / 245.9-255.9, B=16 T=32k 252.4-258.5 /
-# 247.2-267.3, B=128 T=4k 255.9-261.0 / 252.9-258.1; at 2048 and below as before (B=32 T=8k 137.4-137.6 /
-# 129.2-130.5); 32-key tiles at eight an SM 259.2-261.4 and 252.2-253.5 (benchmarks/NOTES.md, twenty-sixth round)
+# rows]), whose tiles take fewer registers, so four programs of 32-key tiles win up to splits of 4096 positions
+# (docs/tuning.md)
 FEW_SPLIT_KEYS_8_ROWS = LONG_SPLIT_KEYS
 # ... for 17-32 query rows per KV head: a warp for each 16 rows sharing one ring of 32-key tiles, four programs
 # (eight warps) per SM (the one-warp kernel's loop in each warp; 204 registers, 24 KB)
@@ -268,26 +254,19 @@ FP8_ROWS_32 = DecodeConfig(32, 2, 3, programs=4, warp_rows=16)
 ONE_WARP_CONFIGS = (FP8_ONE_WARP, FP8_ONE_WARP_LONG, FP8_ONE_WARP_FEW, FP8_ROWS_32)
 # The most query rows per KV head (query rows x GQA group) that the one-warp kernel takes: in one program of a
 # warp per 16 rows where the pages hold whole 32-key tiles (dense included), else in row tiles of 16, a program
-# each reading the split's K/V. More rows stay on the Triton kernel: H200, e4m3, 32/8/128, graph µs, 48 and 64
-# rows: four warps a program 163.2 / 161.2 at B=1 T=128k and 632-637 / 623-625 at B=16 T=32k against the Triton
-# kernel's 125.8-126.3 / 127.5-128.0 and 476-478 / 491-495; four row tiles of one warp 1.23-1.49x the bf16
-# time (benchmarks/NOTES.md, twenty-second and twenty-third rounds)
+# each reading the split's K/V. More rows stay on the Triton kernel's 64-row tiles, which were faster than four
+# warps a program or four row tiles (each warp does a whole tile's work for its rows; docs/tuning.md)
 ONE_WARP_MAX_ROWS = 32
 # ... at head dim 256: one warp (the two-warp programs spill 496 bytes of registers there, Triton 3.6, sm_90; not
 # measured); more rows stay on the Triton kernel (WIDE_FP8)
 ONE_WARP_MAX_ROWS_256 = 16
 # ... and the most it is planned for (more rows run there only with a given plan): up to 8 rows the keys are the
-# mma rows (Note [Keys as the mma rows]); H200, e4m3, 16/8/256, graph µs, the one-warp kernel against the Triton
-# kernel's policy at B=1 T=128k: causal drafts of 4 rows 133.8-133.9 and 8 rows 140.0-140.2 against 157.4-157.8
-# (benchmarks/NOTES.md, twenty-sixth round); 16 rows (the rows' form) 181.3-182.0 against 159.8-160.4
-# (twenty-fifth round)
+# mma rows (Note [Keys as the mma rows]) and the kernel is faster than the Triton kernel; 9-16 rows (the rows'
+# form, 255 registers and spills) were slower (docs/tuning.md)
 ONE_WARP_PLAN_ROWS_256 = 8
 # Each split of the one-warp kernel writes a state of 516 bytes a query row that the combine reads back; where
 # its plan's splits hold fewer than this many keys a row, the states rival the splits' K/V (256 bytes a key in
-# FP8) and the Triton kernel, whose wider programs take fewer splits, is faster: H200, e4m3, 32/8/128, windows
-# of 1k-16k at B=1 and 4, 4-32 rows, graph µs: below 8 keys a row the one-warp kernel took 1.01-1.32x the
-# Triton kernel's time (all 15 calls), from 8 on 0.77-1.10x (23 of 25 at most 1.0; benchmarks/NOTES.md,
-# twenty-third round, probe S)
+# FP8) and the Triton kernel, whose wider programs take fewer splits, is faster (docs/tuning.md)
 ONE_WARP_KEYS_PER_ROW = 8
 # FP8 page pools read one table entry per key: the same tiles in five stages, which Triton's pipeliner turns
 # into two K/V tiles in flight beside the table load's stage (three or four stages: one; sm_90, 232-255
@@ -313,14 +292,13 @@ WIDE_PAGES = DecodeConfig(64, 8, 2, programs=2, maxnreg=128)
 def decode_config(head_dim: int, dtype: torch.dtype, t_max: int | None = None, page_size: int = 0,
                   kv_dtype: torch.dtype | None = None, waves: float = 0.0, rows: int = 1,
                   table: bool = False) -> DecodeConfig:
-    """The split-KV kernel's tile config, tuned on the H200 (benchmarks/NOTES.md): 128-key tiles with three
-    stages in flight; 64-key tiles in two stages for caches of at most 512 positions, and for a 16-bit
-    cache (dense, or paged through the register path) of at most 2048 with ``waves`` (sequences × KV heads
-    per SM) of 3 or more, four programs per SM with their registers capped to fit
-    (:data:`FOUR_PER_SM`; B=64 T=2k: 122.2 µs against 124.9-125.3 with 128-key tiles, one
-    program per SM; B=16 T=2k, 1 wave: 39.6 against 34.4, B=64 T=8k: 468.7 against 467.2); 256-key tiles for a
-    16-bit cache of head dim 64 from 32k positions on (the bytes of a 128 x 128 tile: at B=1 T=128k 66.3
-    µs against 68.7 at the best split count of 128-key tiles, at B=16 T=32k 246 against 257).
+    """The split-KV kernel's tile config (measured on the H200: docs/tuning.md): 128-key tiles with three
+    stages in flight, one program per SM; 64-key tiles in two stages for caches of at most 512 positions
+    (more splits for a short cache), and for a 16-bit cache (dense, or paged through the register path) of at
+    most 2048 with ``waves`` (sequences × KV heads per SM) of 3 or more, four programs per SM with their
+    registers capped to fit (:data:`FOUR_PER_SM`: many short sequences fill the SMs with more, shorter
+    programs); 256-key tiles for a 16-bit cache of head dim 64 from 32k positions on (the bytes of a 128 x 128
+    tile).
 
     An FP8 cache of more than 512 positions, head dim 65-128, read by query tiles of at most 32 rows
     (``rows``: query rows per KV head, Q x GQA) takes :data:`FP8_TWO_WARPS`, dense or paged (through the
@@ -330,37 +308,21 @@ def decode_config(head_dim: int, dtype: torch.dtype, t_max: int | None = None, p
     plan is given: :func:`one_warp_fp8`, :func:`one_warp_plan`.) The FP8 loop is bound by the latency of each
     tile's chain (the conversions' shared-memory round trips, cross-warp reductions), not by bytes or
     issue: two warps a program halve the cross-warp work and four programs per SM overlap the chains.
-    H200, graph µs, e4m3, dense: B=1 T=128k 77.3 against 86.4 with 128 x 4 x 3, B=64 T=8k 301.5 against
-    322.5, B=16 T=32k 300.8 against 324.6; GQA 7 (28/4/128) B=1 T=128k 45.8 against 61.2; eight draft rows
-    (32 rows a tile) B=1 T=128k 114.6 against 124.1; sixteen (64 rows) keep 128 x 4 x 3 (128.3 against
-    148.2-158.5 with 64-key tiles of four warps) (benchmarks/NOTES.md, tenth round). NHD page pools
-    (fifteenth round): pages of 16 through the register table, B=1 T=128k 78.8-79.3 against 84.6-85.3
-    with 128 x 4 x 3, B=16 T=32k 306-307 against 321-323, four draft rows 82.7 against 90.3; pages of 64
-    B=1 T=128k 77.8-78.0 against 86.0-86.5, B=16 T=32k and B=64 T=8k level (8% faster with the page
-    gathered, Note [Paged tiles from registers]). One table entry per key takes :data:`FP8_TABLE_LOOP`:
-    pages of one position, B=1 T=128k 83.2 against 102.0 in three stages, 113.7 with 64 x 4 x 3 (three per
-    SM) and 142 (two); B=64 T=8k 311-336 against 354-361 and 546; B=16 T=32k 312-332 against 368-369.
+    Sixteen draft rows (64 rows a tile) keep 128 x 4 x 3 (64 rows spill in two warps). One table entry per
+    key takes :data:`FP8_TABLE_LOOP`, whose five stages keep two K/V tiles in flight beside the table load.
 
     Head dims over 128 (dense caches, query tiles of at most 32 rows): :data:`WIDE_HEADS` for 16-bit
     caches, two programs per SM (the shared-memory estimate of :meth:`DecodeConfig.programs_per_sm`
-    counted one for the 64 x 4 x 2 tiles it replaced, whose pipeline holds one K/V buffer, not two), and
-    :data:`WIDE_FP8` for FP8 ones, the FP8 two-warp shape at half the keys a tile. H200, 16/8/256, graph
-    µs at the split count of one wave: bf16 B=1 T=128k 244.2 against 312.2, B=16 T=32k 938.2 against
-    1172.9 (`tune_decode`, fourteenth round); e4m3 B=1 T=128k 148.2-148.9 against 165.3-166.4 with 64 x 4
-    x 3 (two per SM) and 215.4 with 64 x 4 x 2, B=16 T=32k 579-585 against 633-640 and 836, B=4 T=32k
-    147.3-147.7 against 165.3-166.5 (fifteenth round). Page pools through the register table (``table``)
-    take :data:`WIDE_FP8` (FP8) and, below 3 waves, :data:`WIDE_PAGES` (16-bit; 64 x 4 x 2 from 3 waves
-    on): H200, 16/8/256, NHD pools, graph µs against the 64 x 4 x 2 they replaced (sixteenth round): e4m3
-    pages of 16 B=1 T=128k 156.1 against 248.1, B=16 T=32k 609.5 against 980.6, B=64 T=8k 608.9 against
-    700.6; pages of 64 185.3 / 708.8 / 707.3 against 345.0 / 1012.3 / 812.4; bf16 pages of 16-256 B=1
-    T=128k 252-255 against 352-397, B=16 T=32k 985-994 against 1342-1534, but B=64 T=8k 984-1017 against
-    950-990 with 64 x 4 x 2. One table entry per key and 64-row tiles keep 64 x 4 x 2 (not measured).
+    would count one for 64 x 4 x 2 tiles, whose pipeline holds one K/V buffer, not two), and
+    :data:`WIDE_FP8` for FP8 ones, the FP8 two-warp shape at half the keys a tile. Page pools through the
+    register table (``table``) take :data:`WIDE_FP8` (FP8) and, below 3 waves, :data:`WIDE_PAGES` (16-bit;
+    64 x 4 x 2 from 3 waves on, where it was faster). One table entry per key and 64-row tiles keep 64 x 4 x 2
+    (not measured).
 
     ``page_size`` > 0 (a paged cache): 64-key tiles, of which four programs share an SM (126 registers
     per thread, 39 KB of shared memory: Triton's pipeliner gives the block-table load of a tile a stage of
     its own and keeps one K/V tile in flight, so the paged kernel trades the second buffer for more programs),
-    three with pages of one position (159 registers). Measured at B=1 T=128k, pages of 16: 131.8 µs at 64
-    splits (512 programs, one wave of four per SM) against 148.2 at 48 (benchmarks/NOTES.md). An FP8 page
+    three with pages of one position (159 registers). An FP8 page
     pool read this way (one table entry per key: windows, row limits, pages that are not a power of two of
     16 or more) that does not take :data:`FP8_TABLE_LOOP` (query tiles of 64 rows, head dims of at most 64)
     takes 148-185 registers on sm_90 at four warps: two programs per SM are counted.
@@ -421,23 +383,20 @@ def decode_plan(batch: int, num_kv_heads: int, t_max: int, head_dim: int, dtype:
     ``splits`` None: the tuned policy; it runs one wave of programs (more splits only add combine work),
     takes the fullest one (FA2 settles for 85% of it, which here would leave up to 15% of the SMs idle for
     the whole kernel). An int fixes the count (capped at the number of tiles). A split may be a single
-    tile: at short contexts the latency of fewer, longer splits costs more than the extra states (H200,
-    B = 1, T = 2k: 16 splits of one tile 8.8 µs, 8 of two 9.5 µs). ``config`` None: :func:`decode_config`
+    tile: at short contexts the latency of fewer, longer splits costs more than the extra states
+    (docs/tuning.md). ``config`` None: :func:`decode_config`
     of the query's ``dtype``; the shared memory of its K/V stages (programs per SM) counts in
     ``kv_dtype`` (default ``dtype``; an FP8 cache takes half). ``page_size`` > 0: the cache is read
     through a block table of pages of that size: the dense cache's plan with the table in registers where a
     split's entries fit (16-bit pages of less than 64 positions at 3 waves or more of sequences × KV heads,
     head dims of at most 128: with :data:`FOUR_PER_SM`, whose other programs hide the barrier of a tile's
-    gather; B=64 pages of 16, graph µs on the H200 in three interleaved rounds: 482.5-483.5 against
-    501.5-515.0 at T=8k, 7660.5-7662.6 against 7756.8-7763.1 at 128k; at head dim 256, 1322 against 954
-    with 64 x 4 x 2) (:func:`table_pages`; ``aligned``: the splits start on a tile, i.e. no window and no
-    row limits), with its splits capped to fit where they do not (:data:`MIN_CAPPED_TILES`), else
+    gather; at head dim 256 it was slower) (:func:`table_pages`; ``aligned``: the splits start on a tile, i.e.
+    no window and no row limits), with its splits capped to fit where they do not (:data:`MIN_CAPPED_TILES`), else
     :func:`decode_config`'s paged config, one table entry per key. FP8 pools whose pages hold two tiles or
     more (head dim <= 128: pages of 128 and more; 256: 64 and more) take the dense plan's splits with one
     table entry loaded a tile (``page_tiles``, in :data:`FP8_TABLE_LOOP` or :data:`WIDE_FP8_TABLE_LOOP`:
-    on the H200, e4m3, 10-16% less time than the register table at B=1 T=128k, B=16 T=32k, B=64 T=8k and B=1
-    T=1M over two A/Bs; at head dim 256 on pages of 256 with splits of 63-64 tiles the first form was 3-4%
-    slower and the final one was not A/B-tested there; Note [Paged tiles from registers]).
+    no shared-memory round trip and no barrier, faster than the register table on those pages; Note [Paged
+    tiles from registers], docs/tuning.md).
     ``rows``: query rows per KV head in a program's tile (query rows x GQA group), for
     :func:`decode_config`.
 
@@ -487,9 +446,7 @@ def key_streams(config: DecodeConfig, tiles_per_split: int, rows: int) -> int:
     """Key streams of a dense cache's split (Note [Key streams] in ``ops/_state.py``): 4 (two per warp) for
     :data:`FP8_TWO_WARPS` splits of at least :data:`MIN_STREAM_TILES` tiles read by query tiles of 16 rows
     (``rows`` <= 16), else 1 (the streams' fixed cost per program, ~5 µs, against ~0.11 µs saved per tile:
-    even at ~45 tiles). Measured on the H200 (e4m3, 32/8/128, graph µs): B=1 T=256k (63 tiles a split)
-    150.2-150.6 → 146.8-147.6, T=1M (249) 571-572 → 546-550, B=64 T=8k (128) 289-292 → 282-283,
-    B=16 T=32k (128) 287-289 → 279-282; B=1 T=128k (32) 76.6-76.9 → 77.7-77.9, T=16k 15.1 → 19.7.
+    even at ~45 tiles; docs/tuning.md).
 
     >>> key_streams(FP8_TWO_WARPS, 128, 4), key_streams(FP8_TWO_WARPS, 32, 4), key_streams(FP8_TWO_WARPS, 128, 32)
     (4, 1, 1)

@@ -7,7 +7,7 @@ A decode step is microseconds of GPU work, so the host cost of a launch matters 
 kernel with thirty arguments). A :class:`Launcher` is bound to one kernel, grid, constexprs and launch
 options; its first call goes through the JIT (and its disk cache) and keeps the ``CompiledKernel``; later
 calls hand the arguments straight to the compiled kernel's launcher on the current stream, with two
-savings measured on the H200 with Triton 3.6 (14 µs per launch before, see benchmarks/NOTES.md):
+savings (Triton 3.6; the H200 figures are in docs/tuning.md):
 
 * tensors are passed as their ``data_ptr()`` ints: for a tensor the launcher calls ``data_ptr`` and then
   ``cuPointerGetAttribute`` (a driver call) per pointer argument, for an int neither;
@@ -72,7 +72,7 @@ def _launches_plainly(launcher_cls) -> bool:
 def _direct_call(compiled) -> tuple:
     """``(call, fixed)``: ``call(*grid, stream, *fixed, *args)`` launches ``compiled`` with its kernel
     arguments ``args``. Skips the Python wrapper of Triton's C launcher when it has nothing to do (no
-    scratch buffers): about 1 µs of the 6-7 µs a launch costs on the H200 (benchmarks/NOTES.md, host path v6)."""
+    scratch buffers): about 1 µs of a launch's host time on the H200 (docs/tuning.md)."""
     run = compiled.run
     launch = getattr(run, "launch", None)
     if (isinstance(launch, types.BuiltinFunctionType) and _launches_plainly(type(run))

@@ -35,48 +35,41 @@ of the values (``|o| <= max |v|``: an fp16 cache of 65504s gives 65504, not inf)
 unrounded weights, so it stays exact to fp32. The split-KV kernel sums the rounded weights on the CUDA
 cores (a row reduction per tile); the shared-segment kernel, whose 128-row tiles keep the CUDA cores busy
 while its tensor cores wait, sums them on the tensor cores (``RSUM_DOT``: ``p @ ones [N, 16]``
-accumulated like ``acc``, every column the sum): the same quantity rounded in the MMA's order, 15-17% less
-time (H200, B=128 over a 32k shared prefix, the shared level alone: 197 → 164-167 µs; benchmarks/NOTES.md,
-twelfth round).
+accumulated like ``acc``, every column the sum): the same quantity rounded in the MMA's order, and faster
+there (docs/tuning.md).
 
 Note [Paged tiles from registers]
 --------------------------------
 A paged tile's K/V addresses depend on block-table entries. Loaded inside the loop (one entry per key),
 that load feeds the K/V loads' addresses, and Triton's software pipeliner gives it a stage of its own: the
 loop keeps one K/V tile in flight instead of two (39 KB of shared memory against the dense loop's 72 KB
-for 64-key tiles, 139.5 KB for 128-key ones), which the paged plan made up for with four programs per SM
-and 64-key tiles, 3-4% slower than the dense cache at B=1 T=128k and 7-16% at B=4-16 T=2k-8k on the
-H200. (Hiding that load from the pipeliner, as inline PTX, gives the dense pipeline but leaves each
-iteration waiting for the entries of the tile two ahead: 40% slower.) When the page size is a power of two
+for 64-key tiles, 139.5 KB for 128-key ones), which that paged plan makes up for with four programs per SM
+and 64-key tiles, still slower than the dense cache. (Hiding that load from the pipeliner, as inline PTX,
+gives the dense pipeline but leaves each iteration waiting for the entries of the tile two ahead.) When the
+page size is a power of two
 of 16 or more and the splits start on a tile, the entries of a split (``SPLIT_PAGES`` at most,
 :data:`cp_attention.heuristics.MAX_SPLIT_PAGES`) are loaded once, before the loop, and a tile's pages are
 picked from those registers (one page: a ``where`` and a sum of one nonzero entry, exact; several:
 ``tl.gather``, one round trip through shared memory whose cost does not grow with the entries, where a
-where-and-sum over them cost 2.5-5.5% at 128 entries and 10% at 512): the loop is the dense loop, with the
-dense plan (sm_90 compile: 139.5 KB, the dense ``cp.async`` count). The FP8 two-warp tiles
-(``PAGE_GATHER``) gather a one-page tile's entry too: the where-and-sum crosses both warps through shared
-memory every tile, and the gather's round trip is hidden by the SM's other three programs (e4m3 pages of
-64, 128 entries a split, B=64 T=8k and B=16 T=32k: 338-341 → 311-314 µs), whereas for a bf16 tile of 128
-keys, one program per SM, it was 24% slower (pages of 256, B=1 T=1M: 960-1001 → 1209-1212). Head dim 256
-FP8 tiles gather only on pages of one tile (32), where the where-and-sum spills (B=1 T=128k 192 → 160 µs;
-on pages of 64 and 256 the gather was 3-15% slower; ``split_kv.page_gather``). FP8 pages of two tiles or
-more (``PAGE_TILES``, ``DecodePlan.page_tiles``) skip the registers: a tile lies within one page, so its
-entry is one uniform load from the block table a tile, which the pipeliner gives a stage of its own (five
-stages keep two K/V tiles in flight beside it); no round trip through shared memory, no barrier; the
-tile's first row is one scalar offset, its keys' offsets loop-invariant (64-bit products per key cost
-4-6%). H200, e4m3, graph µs against the register table (benchmarks/NOTES.md, seventeenth round, two A/Bs:
-the entry loaded a tile, then the scalar first row): head dim 128, B=64 T=8k pages of 128 360-366 → 324-334
-→ 315-318, B=1 T=128k pages of 256 97-99 → 86-87 → 82; head dim 256, pages of 64, B=1 T=128k 185-187 →
-166-173 → 157-159; pages of 256 at splits of 63-64 tiles were 3-4% slower (161-170 → 167-178, before the
-scalar first row). On pages of one tile it was level with the register table (head dim 128, pages of 64). The
+where-and-sum over them grows with them): the loop is the dense loop, with the dense plan (sm_90 compile:
+139.5 KB, the dense ``cp.async`` count). The FP8 two-warp tiles (``PAGE_GATHER``) gather a one-page tile's
+entry too: the where-and-sum crosses both warps through shared memory every tile, and the gather's round
+trip is hidden by the SM's other three programs, whereas a bf16 tile of 128 keys, one program per SM, has no
+other program to hide it and keeps the where-and-sum. Head dim 256 FP8 tiles gather only on pages of one
+tile (32), where the where-and-sum spills (on larger pages the gather was slower; ``split_kv.page_gather``).
+FP8 pages of two tiles or more (``PAGE_TILES``, ``DecodePlan.page_tiles``) skip the registers: a tile lies
+within one page, so its entry is one uniform load from the block table a tile, which the pipeliner gives a
+stage of its own (five stages keep two K/V tiles in flight beside it); no round trip through shared memory,
+no barrier; the tile's first row is one scalar offset, its keys' offsets loop-invariant (64-bit products
+per key cost more). This is faster than the register table on those pages, and level with it on pages of
+one tile (docs/tuning.md). The
 gather's index is clamped to the entries: Triton's pipeliner computes the addresses of the tiles it
 prefetches, the ones past the split's end included (their loads predicated off), so where a split's
 entries fill ``SPLIT_PAGES`` the unclamped index read past the gather's shared memory
 (compute-sanitizer: "Invalid __shared__ read"; an illegal-address fault in 3 of 4 processes on the H200,
 16/8/256 e4m3, pages of 16, B=16 T=32k in 32-key tiles, 512 entries a split). Where a split of the dense plan
-touches more entries than fit, the plan's splits are capped to fit. Measured on the H200, graph µs, same
-process: pages of 16, B=1 T=128k 126.8 against 127.3 dense, B=64 T=8k 479.9 against 478.3, B=16 T=128k
-(capped) 1908 against 1876; pages of 64, B=16 T=128k 1880 (benchmarks/NOTES.md, eighth round).
+touches more entries than fit, the plan's splits are capped to fit. Pages of 16 and 64 then run within
+about 2% of the dense cache (docs/tuning.md).
 
 Note [Key streams]
 ------------------
@@ -88,11 +81,9 @@ with states of their own, as a 3-D ``tl.dot`` (Triton puts the warps on the lead
 streams over two warps every reduction stays inside a warp, each warp runs two independent chains that
 the compiler interleaves, and the streams merge by ⊕ once, after the loop (:func:`merge_streams`). The
 merge and the 3-D setup cost a fixed ~5 µs of epilogue and prologue per program, so the plan takes streams
-only for long splits (:func:`cp_attention.heuristics.key_streams`). The result is the same attention
-state; only the order of the additions differs (each stream's ``o`` is still a convex combination of
-values). Measured on the H200 (e4m3, 32/8/128, graph µs, benchmarks/NOTES.md, fourteenth round): B=1
-T=1M 571-572 → 546-550, B=64 T=8k 289-292 → 282-283, B=16 T=32k 287-289 → 279-282; B=1 T=16k 15.1 →
-19.7 (hence the rule). One stream per warp is slower (86 µs at B=1 T=128k against 77).
+only for long splits (:func:`cp_attention.heuristics.key_streams`; docs/tuning.md). The result is the same
+attention state; only the order of the additions differs (each stream's ``o`` is still a convex combination
+of values). One stream per warp is slower.
 
 Note [FP8 values in pairs]
 --------------------------
@@ -107,13 +98,11 @@ key. The value columns are also permuted (:func:`pair_values`) so that a thread'
 row. For query tiles of at most 8 rows (16 once doubled, one ``mma``'s rows; the value columns halve) the
 ``mma`` count is unchanged. Triton 3.6, sm_90, e4m3, head dim 256, GQA 2, a 32-key tile: 825 loop
 instructions instead of 1160, 168-248 registers instead of 255, no byte loads of V. The zero weights add
-exact zeros; the state is the same up to the order of the additions. Measured on the H200 (16/8/256,
-graph µs, four alternating rounds; benchmarks/NOTES.md, eighteenth round): dense B=16 T=32k 611 → 578,
-B=64 T=8k 602 → 596, B=1 T=128k 152 → 151; pages of 16 and 32 through the register table 4-6% less at
-B=16 and B=64, 0.5-1% at B=1. Pools whose tiles load one table entry (``WIDE_FP8_TABLE_LOOP``) were 3-5%
-slower paired, and at head dim 128 (64-key tiles of GQA 4) pairing did not pay (eleventh round: each warp's
-chain, not the byte loads, sets the time there), so only :data:`~cp_attention.heuristics.WIDE_FP8` tiles
-pair (``split_kv.pairs_values``).
+exact zeros; the state is the same up to the order of the additions. It pays in
+:data:`~cp_attention.heuristics.WIDE_FP8`'s tiles, dense or through the register table; pools whose tiles
+load one table entry (``WIDE_FP8_TABLE_LOOP``) were slower paired, and at head dim 128 (64-key tiles of
+GQA 4) it did not pay (each warp's chain, not the byte loads, sets the time there), so only ``WIDE_FP8``
+tiles pair (``split_kv.pairs_values``; docs/tuning.md).
 
 Note [Loops under the interpreter]
 ----------------------------------

@@ -77,9 +77,8 @@ def merge_config(n: int, d: int, one_warp: bool) -> tuple:
     the symmetric-memory exchange's merge (``ops/symm_merge.py``) reproduces, which the all-gather path of
     ``merge_across_ranks`` must match bit for bit. ``one_warp``: up to 4 rows per program on one warp, which
     keeps the max and the sums over the states in registers instead of crossing warps through shared
-    memory: 2.2-3.9x faster on the H200 (benchmarks/NOTES.md, sixth round: 4096 rows × 5 states 13.5 -> 3.5
-    µs), with other roundings (the products and sums over the states contract differently). Used by the
-    merges of cascade levels, which no other path has to reproduce.
+    memory: faster (docs/tuning.md), with other roundings (the products and sums over the states contract
+    differently). Used by the merges of cascade levels, which no other path has to reproduce.
     """
     block_d, block_s = next_pow2(d), min(16, next_pow2(n))
     if one_warp:

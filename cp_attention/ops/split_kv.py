@@ -28,14 +28,12 @@ Note [Level 2 in its own kernel]
 ``_combine_kernel`` runs one program per query row (grid ``(P, ROWS_T, D_CHUNKS)``), each reading its row's
 states of every split in one load round trip (``BLOCK_S`` states at a time) and writing the output row; more
 than 64 splits of head dim 128 (the one-warp FP8 plans at long contexts) are read at once in chunks of the
-head dim, one program a chunk (:func:`combine_launch_config`), where 64 at a time took three round trips of
-~1 µs after the split kernel at 131 splits. Merging
-in the split kernel's last program (the combine fused in through a ticket counter, as this kernel did
-before) was measured slower on the H200 (benchmarks/NOTES.md, "Level 2 in its own kernel"): one SM pulled
-every state of a (sequence, KV head) from L2 at about 10 GB/s, 2-3 µs per round trip of ``BLOCK_S``
-states, so the tail grew with the split count times the GQA group (15 µs at 32 splits of 8 rows), while
-a program per row reads its 32 states in one round trip on its own SM. With programmatic dependent
-launch the combine's launch overlaps the split kernel's last state writes.
+head dim, one program a chunk (:func:`combine_launch_config`), rather than 64 at a time in several round
+trips after the split kernel. Merging in the split kernel's last program (a combine fused in through a
+ticket counter) is slower: one SM pulls every state of a (sequence, KV head) from L2 at about 10 GB/s, a
+round trip of ``BLOCK_S`` states at a time, so the tail grows with the split count times the GQA group,
+while a program per row reads its 32 states in one round trip on its own SM (docs/tuning.md). With
+programmatic dependent launch the combine's launch overlaps the split kernel's last state writes.
 
 The output ``o``/``lse`` may be any strided view (fp32 slots of a caller's workspace included), which is
 how cascade levels and context-parallel ranks receive unrounded states.
@@ -65,11 +63,10 @@ with PDL) is placed on the SMs while the last states are written. The combine ca
 next decode's split kernel is launched while it merges, except behind a split config that packs several
 programs per SM as one wave (``DecodeConfig.programs``: FP8, paged, short contexts), where it calls it
 after its stores: split programs placed while combine programs still hold an SM's registers do not all
-fit, and the ones left over ran as a second wave, 25-30% longer (H200, e4m3 B=1 T=128k: 96 µs against 76
-with the late trigger, for a variant of the FP8 loop that ran into it; benchmarks/NOTES.md, thirteenth
-round). Behind one program per SM (bf16 128-key tiles) a combine program fits beside it, and the early
-trigger keeps 0.3-0.4 µs of a 6-11 µs decode (B=1 T=2k-8k). A kernel that follows without the attribute
-simply waits for this one to finish, so the instructions change nothing else.
+fit, and the ones left over would run as a second wave. Behind one program per SM (bf16 128-key tiles) a
+combine program fits beside it, and the early trigger saves a fraction of a µs of a short decode
+(docs/tuning.md). A kernel that follows without the attribute simply waits for this one to finish, so the
+instructions change nothing else.
 """
 from typing import NamedTuple
 
@@ -307,10 +304,8 @@ def kernel_rows(config) -> int:
 def pairs_values(config, kv_scale: int, rows: int) -> bool:
     """Whether the split kernel runs ``p @ v`` over value pairs (``PAIR_V``, Note [FP8 values in pairs]): FP8
     caches (``kv_scale`` != 0) in :data:`~cp_attention.heuristics.WIDE_FP8`'s tiles (head dims over 128, dense
-    or through the register table) read by at most 8 query rows per KV head. H200, e4m3, 16/8/256, graph µs,
-    four alternating rounds: 0.5-6% less time at B=1 T=128k, B=16 T=32k and B=64 T=8k; pools of one entry
-    loaded a tile (``WIDE_FP8_TABLE_LOOP``) were 3-5% slower paired, head dim 128 level or slower
-    (benchmarks/NOTES.md, eleventh and eighteenth rounds)."""
+    or through the register table) read by at most 8 query rows per KV head, where it is faster; pools of one
+    entry loaded a tile (``WIDE_FP8_TABLE_LOOP``) and head dim 128 do not gain (docs/tuning.md)."""
     return kv_scale != 0 and rows <= 8 and config == WIDE_FP8
 
 
@@ -318,9 +313,7 @@ def page_gather(config, page_size: int) -> bool:
     """Whether a split of ``config`` through the register table gathers a one-page tile's entry
     (``PAGE_GATHER``): the FP8 two-warp tiles, whose other programs on the SM hide the gather's round trip
     (Note [Paged tiles from registers]), and the head-dim-256 FP8 tiles on pages of one tile, where the
-    where-and-sum spills (Triton 3.6, sm_90; H200, 16/8/256, e4m3 pages of 32, graph µs: B=1 T=128k 160
-    against 192, B=64 T=8k 659-672 against 750-760). On larger pages the gather was slower there (pages of
-    64: 193 against 187; benchmarks/NOTES.md, sixteenth round)."""
+    where-and-sum spills (Triton 3.6, sm_90). On larger pages the gather was slower there (docs/tuning.md)."""
     return config == FP8_TWO_WARPS or (config == WIDE_FP8 and page_size == config.block_n)
 
 

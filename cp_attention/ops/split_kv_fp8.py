@@ -8,8 +8,8 @@ its operands in the layouts the ``mma`` wants: K via ``ldmatrix`` from shared me
 runs over keys, and sm_90 has no transposing 8-bit ``ldmatrix``) via single-byte shared loads; the warps
 of a program share a tile, so its row max and sums cross warps through shared memory and ``p`` changes
 layout through it. That loop issues ~35 warp instructions per key at head dim 128 and is bound by each
-warp's chain of dependent steps: 0.57-0.62x of the bf16 time, where the bytes alone would give 0.5x
-(benchmarks/NOTES.md, rounds ten to eighteen). This kernel is the same computation written with explicit
+warp's chain of dependent steps, well above the half of the bf16 time that its bytes alone would take
+(docs/tuning.md). This kernel is the same computation written with explicit
 layouts (Gluon), one warp a program, with what Triton's ``tl.dot`` cannot express:
 
 * **Head-dim permutations instead of layout changes.** ``q . k`` sums over the head dim, so any permutation of it
@@ -24,9 +24,8 @@ layouts (Gluon), one warp a program, with what Triton's ``tl.dot`` cannot expres
   The tiles are loaded in these register layouts (``DistributedLinearLayout``) and reshaped into the operand
   layouts: the conversion is a renaming of registers, no shared memory. The output is renamed back into value
   order the same way, then goes through shared memory so that each row is stored by the whole warp in 16-byte
-  pieces: stored from the accumulator's layout, each lane wrote 4-byte pieces 64 bytes apart, and at B=1 T=128k
-  the ~1M such stores of 16-row states at the kernel's end cost 16% of the call (H200, e4m3, graph µs: 87.2 ->
-  73.3; 4 rows 70.5 -> 69.3; benchmarks/NOTES.md, twenty-second round).
+  pieces: stored from the accumulator's layout, each lane would write 4-byte pieces 64 bytes apart, about a
+  million such stores at the end of a B=1 T=128k call with 16 rows a KV head (docs/tuning.md).
 * **``p`` stays in registers.** The scores' accumulator layout is the next ``mma``'s operand layout for
   16-bit ``p`` (as in FlashAttention-2; with the keys as the rows, two shuffles away from it), and with one warp
   a program every row reduction stays inside the warp (two or three shuffles), with no barrier in the loop
@@ -59,8 +58,8 @@ read a tile ahead of its copy where a page holds whole tiles, else one a key). A
 program (``BLOCK_H`` 32) where the pages hold whole 32-key tiles: the ``mma`` layouts put a warp on each 16
 rows, every warp reads the whole tile from the shared ring into its registers (a zero warp basis in the tile
 layouts), and the warps exchange one word a tile (the lazy max's any-row test); on smaller pages they run as
-row tiles of one warp, a program each, each reading the split's K/V. (Four warps for 64 rows were 26-33%
-slower than the Triton kernel's 64-row tiles: each warp does a whole tile's work for its rows.) With
+row tiles of one warp, a program each, each reading the split's K/V. (Four warps for 64 rows are slower
+than the Triton kernel's 64-row tiles: each warp does a whole tile's work for its rows.) With
 a window or row limits the tiles start on a whole tile below the first position any row sees (a tile then
 stays within a page), and the tiles that reach below a row's first position are masked like those that
 reach past its last. A split of a dense cache is every ``S``-th tile, not a range of them (Note [Strided
@@ -75,17 +74,12 @@ order; their sizes differ by at most one tile, as the ranges' did (at most the p
 kernel never runs ``split_size``'s deterministic splits (:func:`cp_attention.heuristics.one_warp_fp8`), whose
 ranges of absolute positions are the contract of batch invariance. Why: with ranges, the programs of an HND cache
 read places far apart (at B=1 T=128k 66 splits of 258 KB in each head's 16 MB), while an NHD cache's programs of
-one split read the eight KV heads' bytes of the same tokens together, and NHD ran 1-4% faster than HND (bf16
+one split read the eight KV heads' bytes of the same tokens together, and NHD read faster than HND (bf16 is
 level). Padding the heads off their alignment did not move HND, and rotating each program's tile order slowed
-NHD by 3-7%: what NHD had was reads close together in time and place. H200, e4m3, 32/8/128, graph µs, one
-process a build, two rounds (benchmarks/NOTES.md, twenty-seventh round): B=1 T=128k HND 67.9-68.6 -> 66.1-66.8
-(NHD 67.5-67.7 either way); B=16 T=32k (4 splits) 243.5-243.7 -> 243.8-244.0; B=1 T=1M (132 splits)
-476.2-480.4 -> 475.0-478.6; B=64 T=8k is one split.
-Page pools keep the ranges: there each tile's block-table entry is read a tile ahead of its copy, and strided
-splits read each entry from another cache line, likely a round trip that one tile ahead does not hide (NHD pools in
-sequence order, ranges then strided, one run each on two H200s whose bf16 times differ by 2%: B=1 T=128k pages
-of 16 68.8 -> 80.2, of 64 68.1 -> 85.8; B=16 T=32k pages of 16 243.6 -> 307.9; B=1 T=1M pages of 16 475.0 ->
-576.6).
+NHD: what NHD had was reads close together in time and place, which strided splits give an HND cache
+(docs/tuning.md). Page pools keep the ranges: there each tile's block-table entry is read a tile ahead of its
+copy, and strided splits read each entry from another cache line, likely a round trip that one tile ahead does
+not hide (strided pools were slower).
 
 Note [Keys as the mma rows]
 ---------------------------
@@ -94,16 +88,13 @@ them empty. With at most 8 rows (``ROWS_KM``) the one-warp kernel transposes bot
 k . q^T`` and ``acc^T [D, 8] += v^T . p^T``, the keys (then the head dim) on the ``mma``'s 16 rows and the query
 rows on its 8 columns. Half the ``mma`` (e.g. 16 instead of 32 a 16-key tile at head dim 128), half the
 accumulator's registers (32 instead of 64 at 128), half the exponentials. The K and V register tiles are the same
-bytes as before (lane ``(g, t)`` holds keys ``g`` and ``g + 8`` of K, keys ``2t, 2t+1, 2t+8, 2t+9`` of V), only read
-as the A operand; ``q^T`` is loaded once as the B operand. What it costs: a row's max and sums reduce over the
-keys, across the 8 lanes of a column (three shuffles a value where the rows' form takes two), and ``p^T`` goes
-from the accumulator's layout to the B operand's (two ``SHFL.IDX`` a tile at 16 keys, no shared memory). The
-state is the same computation in another order of additions. Measured (H200, e4m3, graph µs, one process per form,
-two rounds; benchmarks/NOTES.md, twenty-sixth round): head dim 128 dense at the bar's shapes within -0.6..+0.3%
-(B=16 T=32k 254.7 -> 253.4), its pools of 16 slots 3.6% faster (253.7 -> 244.6); head dim 256 dense 1.5-2%
-faster (B=1 T=128k 134.3 -> 131.5), its pools 11-15% faster (B=16 T=32k pages of 16 545 -> 484: the spills
-were the pools' loss), causal drafts of 4 and 8 rows 15% faster (158.3 -> 133.8, 165.0 -> 140.0) and now ahead
-of the Triton kernel (157.5).
+bytes as in the rows' form (lane ``(g, t)`` holds keys ``g`` and ``g + 8`` of K, keys ``2t, 2t+1, 2t+8, 2t+9`` of
+V), only read as the A operand; ``q^T`` is loaded once as the B operand. What it costs: a row's max and sums
+reduce over the keys, across the 8 lanes of a column (three shuffles a value where the rows' form takes two),
+and ``p^T`` goes from the accumulator's layout to the B operand's (two ``SHFL.IDX`` a tile at 16 keys, no shared
+memory). The state is the same computation in another order of additions. Head dim 128 dense caches run level
+with the rows' form; its pools, and head dim 256 (where the rows' form spills registers), run faster, and the
+registers it frees let 32-key tiles at four programs per SM win up to splits of 4096 positions (docs/tuning.md).
 
 Gluon kernels have no interpreter path: on the CPU the tests compile this kernel for sm_90
 (``tests/test_aot.py``) and check the plan's choice; on the GPU they check it against the float64 oracle
@@ -386,8 +377,8 @@ def _split_kv_fp8_kernel(
 
     # the query rows of row tile i_rt (row r: token r // G, head h G + r % G, as split_kv.row_heads), head dim in
     # the keys' byte order, scaled into fp16 (_state.fp16_query; Note [Attention states inside kernels], FP8).
-    # Written out here and for the state's rows below: through row_heads the compiler schedules the loop anew
-    # (Triton 3.6, sm_90: 14 of the 17 specs' SASS changed, 168 -> 180 registers for GQA 4 split), not measured
+    # Written out here and for the state's rows below: through row_heads the compiler schedules the loop
+    # differently (Triton 3.6, sm_90: 180 registers instead of 168 for a GQA 4 split)
     q_l: gl.constexpr = b_l if KEYS_M else a_l  # q^T [D, M] is the B operand of k . q^T
     o_qr = i_rt * M + gl.arange(0, M, layout=gl.SliceLayout(RAX, q_l))
     o_qk = gl.arange(0, D, layout=gl.SliceLayout(1 - RAX, q_l))

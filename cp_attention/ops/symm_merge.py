@@ -25,9 +25,9 @@ One kernel, program ``p`` owning rows ``[p * BLOCK_M, (p + 1) * BLOCK_M)``, on e
    flag ``e``: the data came with its flag, so no fence, release or second round trip is needed. Each
    thread spins on the words it holds, on its own (``_await_flag``). A loop whose exit is a reduction over
    the program must not be used here: Triton assumes that threads holding copies of one element hold the
-   same value and reduces such copies within a warp only, so warps that loaded a word at different times
-   left such a loop in different iterations and the program hung at its next barrier (seen on the H200,
-   intermittently, when one rank came late);
+   same value and reduces such copies within a warp only, so warps that load a word at different times
+   leave such a loop in different iterations and the program hangs at its next barrier (intermittently,
+   when one rank comes late);
 3. ⊕ of the ``W`` states in rank order, the sinks once, the result in q's dtype; after a barrier (every
    warp has read ``epoch[p]``), ``epoch[p] = e``.
 
@@ -39,8 +39,8 @@ bound by the bytes instead, and take the bulk protocol, the same buffer with eac
 1. store its rows as plain float32 into slot ``me`` of half ``e % 2`` of every peer's ``recv``; a
    barrier, then thread 0 makes one system-scope fence (cumulative: it orders every store of the program
    that the barrier ordered before it) and stores ``flags[me, p] = e`` on every peer (relaxed, system
-   scope). A fence in every thread and a release store after it (the former code) measured 1.5-4.7 µs
-   slower per call at 4096 rows: every ``st.release.sys`` is one more system-scope fence;
+   scope). One fence a program, not a fence in every thread with a release store after it: every
+   ``st.release.sys`` is one more system-scope fence (slower at 4096 rows: docs/tuning.md);
 2. every thread waits, on its own (acquire loads at system scope, as above no reduction), until
    ``flags[r, p] - e >= 0`` for every peer ``r``, then loads the peers' slots and its own rows (from
    ``own``) past L1 (``.cg``);
@@ -54,7 +54,7 @@ exchange kernel (``PUSHED``) then skips only the stores of step 1: it waits for 
 (``griddepcontrol.wait``: its writes are performed and visible to this grid), then thread 0's fence is
 cumulative over them and its relaxed flag publishes them, as in the bulk protocol. The 2.1 MB cross
 NVLink while the merge still runs, and no program of the producer waits on a fence (a fence per
-producer program kept its SMs for the whole transfer: 13 µs for that merge against 3.5).
+producer program would keep its SMs for the whole transfer).
 
 Why a half is free when it is written: a rank writes half ``e % 2`` of its peers in call ``e`` only after
 finishing call ``e - 1``, which needed every peer's call ``e - 1`` data, which each peer sent at the start
@@ -80,8 +80,9 @@ from .._device import cdiv, next_pow2
 from ._launch import launch, pdl_options
 from ._state import add_sink, finalize, fold_states
 
-MAX_PROGRAMS = 256
-BULK_MIN_ROWS = 1024  # merges of this many rows or more take the bulk protocol (Note [Symmetric-memory merge])
+MAX_PROGRAMS = 256  # programs of one merge at most, all resident at once (fewer were slower: docs/tuning.md)
+BULK_MIN_ROWS = 1024  # merges of this many rows or more take the bulk protocol (Note [Symmetric-memory merge];
+# below it the fence and flag cost more than the flagged words' doubled bytes: docs/tuning.md)
 
 
 @triton.jit
