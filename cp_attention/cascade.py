@@ -5,7 +5,7 @@ Note [Cascade attention]
 A request's keys are the concatenation of its segments of every level: e.g. a system prompt shared by
 the whole batch, a document shared by a group of requests, then the request's own generated tokens.
 The key sets are disjoint, so the attention over their union is the ⊕ of one state per level (the
-cascade row of DESIGN.md's table). A level is computed by the kernel that suits its sharing:
+cascade level of docs/design.md). A level is computed by the kernel that suits its sharing:
 
 * one segment per request (``S == B``, no ``segment_ids``): the split-KV decode kernel
   (:func:`cp_attention.flash_decode`), which streams each request's K/V once;
@@ -28,9 +28,9 @@ CUDA tensors, so a call can be captured in a CUDA graph.
 Overlap. A shared level is bound by the tensor cores (one 128-row program per SM, one wave), a
 per-request level by bytes. On CUDA the shared levels are launched first and the per-request levels on a
 side stream forked before them and joined before the merge, so the per-request programs can run beside
-the shared ones on the SMs and read with the bandwidth the shared kernel leaves idle. Measured on the H200
-(benchmarks/NOTES.md, twelfth round): 2-9% less time per call up to B = 64, almost nothing at B = 128,
-where the per-request programs do not get onto the SMs of the 128-row programs. The kernels and the slots
+the shared ones on the SMs and read with the bandwidth the shared kernel leaves idle (docs/tuning.md has the
+figures: a few percent up to B = 64, little at B = 128, where the per-request programs do not get onto the
+SMs of the 128-row programs). The kernels and the slots
 are the same either way, so the result is bitwise the same. In a CUDA graph the fork and join are
 captured as two branches.
 """

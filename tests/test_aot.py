@@ -70,8 +70,7 @@ def test_split_plans_count_no_more_programs_per_sm_than_fit(report):
     """The split plan fills one wave of ``DecodeConfig.programs_per_sm`` programs on every SM (the
     config's ``programs``, else the estimate from its K/V stages). Counting more than the compiled kernel's
     registers or shared memory let in leaves programs over for a second wave (the FP8 tiles of head dim
-    256 once counted three where their 255 registers fit two: 215 µs against 167, benchmarks/NOTES.md,
-    fourteenth round); and a config that names its programs spills little: no local arrays and at most 512
+    256 once counted three where their 255 registers fit two: 215 µs against 167 on the H200); and a config that names its programs spills little: no local arrays and at most 512
     bytes of stack, where ptxas puts spilled registers (Triton 3.9: at most 344, the FP8 two-warp tiles in four
     key streams; Triton 3.6 at most 184)."""
     dtypes = {"*bf16": torch.bfloat16, "*fp16": torch.float16, "*fp8e4nv": torch.float8_e4m3fn,

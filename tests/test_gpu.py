@@ -198,7 +198,7 @@ def test_cp_cache_steps_with_new_tokens(tmp_path, exchange):
     every step equals the float64 oracle on the unsharded cache and the ranks agree bitwise. With the
     symmetric-memory exchange the step is captured in one CUDA graph and replayed. With the NCCL exchange
     it runs eagerly: capturing the NCCL all-gather in a CUDA graph stalled this test on the 2×H200 image
-    (torch 2.11, NCCL in the process group's own stream), not root-caused; see benchmarks/NOTES.md."""
+    (torch 2.11, NCCL in the process group's own stream), not root-caused."""
     if exchange == "symm" and torch.cuda.device_count() < 2:
         pytest.skip("the symmetric-memory exchange needs 2 GPUs")
     _spawn(_cp_cache_graph_worker, str(tmp_path / "init"), exchange)

@@ -1,5 +1,5 @@
-"""The planning module: the FA2 rule reproduces seed 002's table; the tuned policies give exact,
-shape-only plans (the values the benchmarks in benchmarks/NOTES.md were measured with)."""
+"""The planning module: the FA2 rule reproduces FlashAttention-2's split table; the tuned policies give exact,
+shape-only plans (the plans docs/tuning.md's figures were measured with)."""
 import itertools
 import math
 
