@@ -62,6 +62,20 @@ class AttentionState(NamedTuple):
         )
 
 
+class _MergePrepared(NamedTuple):
+    """What a validated CUDA ``merge_states`` call with a given key launches."""
+
+    launcher: object  # ops._launch.Launcher, integer arguments bound
+    device: torch.device
+    cuda: int
+    o_shape: tuple
+    lse_shape: tuple
+    out_dtype: torch.dtype
+
+
+_MERGE_PREPARED: dict = {}
+
+
 def merge_states(o: torch.Tensor, lse: torch.Tensor, *, out_dtype: torch.dtype | None = None,
                  sinks: torch.Tensor | None = None) -> AttentionState:
     """⊕ over dim 0: merge ``N`` states of disjoint key sets into one.
@@ -76,12 +90,28 @@ def merge_states(o: torch.Tensor, lse: torch.Tensor, *, out_dtype: torch.dtype |
     Returns:
         ``AttentionState`` with ``o [..., D]`` in ``out_dtype`` and ``lse [...]`` float32 (natural log).
         Runs the Triton merge kernel for CUDA tensors (and for CPU tensors under ``TRITON_INTERPRET=1``),
-        else plain torch; the arithmetic is float32 either way.
+        else plain torch; the arithmetic is float32 either way. A CUDA call whose shapes, strides, dtypes and
+        alignment were seen before replays the launch prepared then (as ``flash_decode`` does: Note [The decode
+        hot path] in ``decode.py``).
 
     >>> o = torch.tensor([[[1.0, 0.0]], [[0.0, 1.0]]])
     >>> merge_states(o, torch.zeros(2, 1)).o
     tensor([[0.5000, 0.5000]])
     """
+    key = None
+    if o.__class__ is torch.Tensor and lse.__class__ is torch.Tensor and o.is_cuda:
+        op, lp = o.data_ptr(), lse.data_ptr()
+        key = (o.shape, o.stride(), o.dtype, o.device, op & 15, lse.shape, lse.stride(), lse.device, lp & 15, out_dtype,
+               None if sinks is None else (sinks.__class__, sinks.shape, sinks.stride(), sinks.dtype, sinks.device,
+                                           sinks.data_ptr() & 15))
+        prep = _MERGE_PREPARED.get(key)
+        if prep is not None:
+            out_o = _device.new_buffer(prep.o_shape, prep.out_dtype, prep.device)
+            out_lse = _device.new_buffer(prep.lse_shape, torch.float32, prep.device)
+            prep.launcher.launch_ptrs(torch._C._cuda_getCurrentRawStream(prep.cuda),
+                                      (op, lp, lp if sinks is None else sinks.data_ptr(), out_o.data_ptr(),
+                                       out_lse.data_ptr(), lp))
+            return AttentionState(out_o, out_lse)
     check_state_tensors(o, lse, "o", "lse")
     if o.dim() < 2 or o.shape[0] < 1:
         raise ValueError(f"o must have shape [N, ..., D] with N >= 1, got {tuple(o.shape)}")
@@ -94,18 +124,28 @@ def merge_states(o: torch.Tensor, lse: torch.Tensor, *, out_dtype: torch.dtype |
         if o.dim() < 3:
             raise ValueError(f"o must have a head dim [N, ..., H, D] to take sinks, got shape {tuple(o.shape)}")
         check_variants(None, None, sinks, o.shape[-2], o.device)
-    if use_triton(o):
-        from .ops.merge import merge_states_into
+    if not use_triton(o):
+        return merge_states_torch(o, lse, out_dtype, sinks)
+    from .ops.merge import merge_launcher
 
-        m = math.prod(lead)
-        o3 = o.reshape(n, m, d)
-        if o3.stride(-1) != 1:
-            o3 = o3.contiguous()
-        out_o = _device.new_buffer(lead + (d,), out_dtype, o.device)
-        out_lse = _device.new_buffer(lead, torch.float32, o.device)
-        merge_states_into(o3, lse.reshape(n, m), out_o.view(m, d), out_lse.view(m), sinks=sinks)
+    m = math.prod(lead)
+    o3, lse2 = o.reshape(n, m, d), lse.reshape(n, m)
+    # a view keeps the caller's strides (the prepared launch reads them); else a copy, and no prepared launch
+    view = o3.stride(-1) == 1 and o3.data_ptr() == o.data_ptr() and lse2.data_ptr() == lse.data_ptr()
+    if o3.stride(-1) != 1:
+        o3 = o3.contiguous()
+    out_o = _device.new_buffer(lead + (d,), out_dtype, o.device)
+    out_lse = _device.new_buffer(lead, torch.float32, o.device)
+    if m == 0:
         return AttentionState(out_o, out_lse)
-    return merge_states_torch(o, lse, out_dtype, sinks)
+    cuda = o.get_device() if o.is_cuda else None
+    launcher = merge_launcher(n, m, d, o3.stride()[:2], lse2.stride(), sinks, cuda)
+    launcher(o3, lse2, lse2 if sinks is None else sinks, out_o.view(m, d), out_lse.view(m), lse2)
+    if key is not None and view and o3.data_ptr() == o.data_ptr():
+        if len(_MERGE_PREPARED) >= 4096:
+            _MERGE_PREPARED.clear()
+        _MERGE_PREPARED[key] = _MergePrepared(launcher, o.device, cuda, lead + (d,), lead, out_dtype)
+    return AttentionState(out_o, out_lse)
 
 
 def merge_states_torch(o: torch.Tensor, lse: torch.Tensor, out_dtype: torch.dtype, sinks=None) -> AttentionState:

@@ -32,7 +32,8 @@ import torch.distributed as dist
 from .. import _device
 
 from ..ops.symm_merge import buffer_words, push_plan, symm_merge_into
-from ..state import AttentionState, merge_states
+from ..ops.merge import merge_states_into
+from ..state import AttentionState, merge_states_torch
 
 EXCHANGES = ("auto", "symm", "collective")
 # torch >= 2.13 names the one-tensor all-gather all_gather_single; older releases all_gather_into_tensor.
@@ -76,9 +77,23 @@ class CollectiveExchange:
     def merge(self, packed, out_dtype, sinks=None, push=None) -> AttentionState:
         """⊕ of every rank's packed states ``[..., D + 1]``: ``o [..., D]`` in ``out_dtype``, ``lse [...]``;
         ``push``: the :class:`Push` of :meth:`push_target` given to the kernel that wrote ``packed``."""
-        gathered = self.gather(packed)
-        d = packed.shape[-1] - 1
-        return merge_states(gathered[..., :d], gathered[..., d], out_dtype=out_dtype, sinks=sinks)
+        return merge_gathered(self.gather(packed), out_dtype, sinks)
+
+
+def merge_gathered(gathered: torch.Tensor, out_dtype: torch.dtype, sinks=None) -> AttentionState:
+    """⊕ over dim 0 of gathered packed states ``[W, ..., D + 1]`` in rank order, in the layout whose bits the
+    symmetric-memory kernel reproduces (``ops/merge.py``, :func:`merge_config` without ``one_warp``), so both
+    exchanges give the same bits; on the torch path, plain float32 torch."""
+    d = gathered.shape[-1] - 1
+    lead = tuple(gathered.shape[1:-1])
+    if not _device.use_triton(gathered):
+        return merge_states_torch(gathered[..., :d], gathered[..., d], out_dtype, sinks)
+    w, m = gathered.shape[0], math.prod(lead)
+    o = _device.new_buffer(lead + (d,), out_dtype, gathered.device)
+    lse = _device.new_buffer(lead, torch.float32, gathered.device)
+    flat = gathered.view(w, m, d + 1)
+    merge_states_into(flat[..., :d], flat[..., d], o.view(m, d), lse.view(m), sinks=sinks, one_warp=False)
+    return AttentionState(o, lse)
 
 
 class SymmMemExchange(CollectiveExchange):

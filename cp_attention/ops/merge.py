@@ -58,6 +58,20 @@ def merge_states_into(o, lse, o_out, lse_out, sinks=None, one_warp=False, push=N
     )
 
 
+def merge_launcher(n: int, m: int, d: int, o_strides, lse_strides, sinks, device: int | None, one_warp: bool = True):
+    """A :class:`~cp_attention.ops._launch.Launcher` of :func:`_merge_states_kernel` merging ``n`` states of ``m``
+    rows with their integer arguments bound (``o_strides``/``lse_strides``: the (state, row) strides of ``o [N, M,
+    D]`` and ``lse [N, M]``; the outputs contiguous ``[M, D]`` and ``[M]``); it takes ``(o, lse, sinks or lse,
+    o_out, lse_out, lse)``."""
+    from ._launch import Launcher
+
+    constexprs, options = merge_launch_config(n, d, sinks is not None, one_warp)
+    static = (n, m, sinks.shape[0] if sinks is not None else 1, 0, *o_strides, *lse_strides, d, 1,
+              sinks.stride(0) if sinks is not None else 0)
+    return Launcher(_merge_states_kernel, (-(-m // constexprs["BLOCK_M"]),), constexprs, device=device, static=static,
+                    **options)
+
+
 def merge_launch_config(n: int, d: int, sinks: bool, one_warp: bool = False, world: int = 1,
                         exchange_block_m: int = 0) -> tuple:
     """``(constexprs, options)`` of :func:`_merge_states_kernel` merging ``n`` states of head dim ``d``
