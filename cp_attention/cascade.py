@@ -42,11 +42,11 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import _dispatch
+from . import _dispatch, _library
 from ._constants import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES
 from ._dispatch import use_triton
-from ._validate import (check_bool, check_head_dim, check_index_tensor, check_kv_scales, check_sm_scale,
-                        check_tensor, check_unit_stride, check_variants, resolve_sm_scale)
+from ._validate import (check_bool, check_head_dim, check_index_tensor, check_inference, check_kv_scales,
+                        check_sm_scale, check_tensor, check_unit_stride, check_variants, resolve_sm_scale)
 from .decode import MAX_Q_ROWS, _dequantize, flash_decode
 from .heuristics import num_sms, prefix_plan
 from .state import AttentionState, merge_states
@@ -206,6 +206,11 @@ def cascade_decode(q, levels, *, sm_scale=None, k_scale=None, v_scale=None, logi
     >>> cascade_decode(q, [prefix, suffix], return_lse=True).lse.shape
     torch.Size([3, 8])
     """
+    check_inference("cascade_decode", ("q", "levels", "k_scale", "v_scale", "sinks"), q, levels, k_scale, v_scale,
+                    sinks)
+    if torch.compiler.is_compiling():  # a torch.compile trace: the custom op (Note [Custom ops under torch.compile])
+        return _library.cascade_decode(q, levels, sm_scale, k_scale, v_scale, logit_softcap, sinks, return_lse,
+                                       (_num_splits, _config, _out))
     checked, kv_scale = _validate(q, levels, sm_scale, return_lse, k_scale, v_scale, logit_softcap, sinks)
     scale = resolve_sm_scale(sm_scale, q.shape[-1])
     scales = (k_scale, v_scale, kv_scale)

@@ -28,11 +28,11 @@ from typing import NamedTuple
 
 import torch
 
-from . import _dispatch
+from . import _dispatch, _library
 from ._constants import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, LOG2E
 from ._dispatch import use_triton
-from ._validate import (check_bool, check_head_dim, check_index_tensor, check_int, check_kv_layout, check_kv_scales,
-                        check_sm_scale, check_tensor, check_unit_stride, check_variants)
+from ._validate import (check_bool, check_head_dim, check_index_tensor, check_inference, check_int, check_kv_layout,
+                        check_kv_scales, check_sm_scale, check_tensor, check_unit_stride, check_variants)
 from .heuristics import (FP8_ONE_WARP, FP8_ONE_WARP_LONG, ONE_WARP_CONFIGS, ONE_WARP_MAX_ROWS, DecodePlan,
                          decode_plan, deterministic_plan, num_sms, one_warp_fp8, one_warp_plan, use_pdl)
 from .state import AttentionState
@@ -402,6 +402,12 @@ def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num
     >>> flash_decode(q, k, k, torch.tensor([100, 7]), return_lse=True).lse.shape
     torch.Size([2, 8])
     """
+    check_inference("flash_decode", ("q", "k", "v", "sinks", "k_scale", "v_scale", "out"), q, k, v, sinks, k_scale,
+                    v_scale, out)
+    if torch.compiler.is_compiling():  # a torch.compile trace: the custom op (Note [Custom ops under torch.compile])
+        return _library.flash_decode(q, k, v, seq_lens, block_table, sm_scale, num_splits, kv_layout, split_size,
+                                     k_scale, v_scale, window_left, logit_softcap, sinks, return_lse, out, plan,
+                                     row_limits, _span, _export)
     # The key (Note [The decode hot path]); the pointers it reads are the launch's arguments.
     global _LAST
     key = prep = None

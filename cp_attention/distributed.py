@@ -40,10 +40,10 @@ import struct
 import torch
 import torch.distributed as dist
 
-from . import _dispatch
+from . import _dispatch, _library
 from ._constants import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES
-from ._validate import (check_bool, check_index_tensor, check_int, check_kv_layout, check_kv_scales, check_sm_scale,
-                        check_state, check_tensor, check_unit_stride)
+from ._validate import (check_bool, check_index_tensor, check_inference, check_int, check_kv_layout, check_kv_scales,
+                        check_sm_scale, check_state, check_tensor, check_unit_stride)
 from .cascade import cascade_decode
 from .decode import check_decode_args, check_split_size, combine_exported, flash_decode
 from .exchange import _all_gather_single, exchange_for, set_exchange
@@ -76,7 +76,10 @@ def all_gather_states(state, group=None) -> AttentionState:
     >>> st.o.shape, st.lse.shape
     (torch.Size([2, 4, 8, 64]), torch.Size([2, 4, 8]))
     """
+    check_inference("all_gather_states", ("state",), state)
     check_state("state", state)
+    if torch.compiler.is_compiling():  # a torch.compile trace: the custom op (Note [Custom ops under torch.compile])
+        return _library.all_gather_states(state, group)
     o, lse = state
     exchange = exchange_for(group)
     gathered = exchange.gather(_pack(o, lse, exchange))
@@ -107,7 +110,10 @@ def merge_across_ranks(state, group=None) -> AttentionState:
     >>> # rank r holds the state of its own keys; every rank gets the state of all keys
     >>> merged = merge_across_ranks(AttentionState(o_local, lse_local))
     """
+    check_inference("merge_across_ranks", ("state",), state)
     check_state("state", state)
+    if torch.compiler.is_compiling():  # a torch.compile trace: the custom op (Note [Custom ops under torch.compile])
+        return _library.merge_across_ranks(state, group)
     o, lse = state
     exchange = exchange_for(group)
     return exchange.merge(_pack(o, lse, exchange), o.dtype)
@@ -293,6 +299,8 @@ def _cp_decode(q, k_shard, v_shard, seq_lens_shard, *, group, check_metadata, ro
     check_bool("return_lse", kwargs.get("return_lse", False))
     if "out" in kwargs:
         raise TypeError("cp_flash_decode does not take out (the local state goes into the exchange buffer)")
+    if torch.compiler.is_compiling():  # a torch.compile trace: the custom op (Note [Custom ops under torch.compile])
+        return _library.cp_decode(q, k_shard, v_shard, seq_lens_shard, group, check_metadata, row_limits, span, kwargs)
     if check_metadata:
         _agree(lambda: _decode_meta(q, k_shard, v_shard, seq_lens_shard, kwargs, row_limits), group, "cp_flash_decode")
     return_lse = kwargs.pop("return_lse", False)
@@ -359,6 +367,8 @@ def cp_flash_decode(q, k_shard, v_shard, seq_lens_shard, *, group=None, check_me
     >>> ks, vs, lens = shard_kv(k, v, seq_lens, dist.get_rank(), dist.get_world_size())
     >>> o = cp_flash_decode(q, ks, vs, lens)          # == flash_decode(q, k, v, seq_lens)
     """
+    check_inference("cp_flash_decode", ("q", "k_shard", "v_shard", *flash_decode_kwargs), q, k_shard, v_shard,
+                    *flash_decode_kwargs.values())
     if isinstance(q, torch.Tensor) and q.dim() == 4:
         raise ValueError("q must have 3 dims [B, Hq, D] in cp_flash_decode: several query rows need the causal "
                          "rule in global positions, which CPKVCache.decode applies")
@@ -389,6 +399,7 @@ def cp_cascade_decode(q, levels, *, group=None, check_metadata=True, **cascade_k
     >>> ks, vs, lens = shard_kv(prefix_k, prefix_v, None, rank, world)       # [1, Hkv, C, D] each
     >>> o = cp_cascade_decode(q, [CascadeLevel(ks, vs, lens), own_tokens_shard])
     """
+    check_inference("cp_cascade_decode", ("q", "levels", *cascade_kwargs), q, levels, *cascade_kwargs.values())
     from .cascade import _validate
 
     if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] > 1:
@@ -396,6 +407,8 @@ def cp_cascade_decode(q, levels, *, group=None, check_metadata=True, **cascade_k
                          "rule in global positions")
     check_bool("check_metadata", check_metadata)
     check_bool("return_lse", cascade_kwargs.get("return_lse", False))
+    if torch.compiler.is_compiling():  # a torch.compile trace: the custom op (Note [Custom ops under torch.compile])
+        return _library.cp_cascade_decode(q, levels, group, check_metadata, cascade_kwargs)
     if check_metadata:
         def meta():
             _validate(q, levels, cascade_kwargs.get("sm_scale"), cascade_kwargs.get("return_lse", False),
@@ -585,7 +598,19 @@ class CPKVCache:
         cache's dtype (an FP8 cache also takes float16/bfloat16/float32 tokens and quantises them with its
         scales) and device, the same on every rank, unit stride in D. Global position ``len + j`` goes to
         rank ``(len + j) % W``; no host sync. With the Triton kernels one launch stores the tokens and
-        advances the lengths (``ops/append.py``; non-owners write nothing)."""
+        advances the lengths (``ops/append.py``; non-owners write nothing).
+
+        Under ``torch.compile`` the append is the op ``cp_attention::cp_kv_append``, which mutates the
+        buffers and lengths on the device; the host-side count behind :attr:`free_slots` does not advance
+        inside a compiled graph (as in CUDA-graph replays, see the class docstring). A compiled caller
+        bounds its steps by :attr:`free_slots` read before them (beyond it, tokens are dropped on the
+        device, never written out of bounds), and may bring the count up to date outside the compiled
+        code with ``cache.set_lengths(cache.global_seq_lens)`` (one host sync). For
+        ``mode="reduce-overhead"`` (CUDA graphs), first mark the tensors the graph mutates static with
+        ``torch._dynamo.mark_static_address``: ``k``, ``v`` (and for a dense cache ``k._base``,
+        ``v._base``, the buffers with the scratch slot), ``seq_lens`` and ``global_seq_lens``; and make one
+        eager :meth:`decode` call of each query shape, which allocates the exchange's buffers."""
+        check_inference("CPKVCache.append", ("k_new", "v_new"), k_new, v_new)
         b, hkv, d = self.seq_lens.shape[0], self._heads_kv, self._head_dim
         dtypes = (self.k.dtype,) + (FLOAT_DTYPES if self.k.dtype in FP8_DTYPES else ())
         for name, t in (("k_new", k_new), ("v_new", v_new)):
@@ -598,6 +623,8 @@ class CPKVCache:
                                  f"([B, Hkv, D] or [B, Q, Hkv, D]), got {tuple(t.shape)}")
         if k_new.shape != v_new.shape:
             raise ValueError(f"v_new must have k_new's shape {tuple(k_new.shape)}, got {tuple(v_new.shape)}")
+        if torch.compiler.is_compiling():  # a torch.compile trace: the op (Note [Custom ops under torch.compile])
+            return _library.cp_kv_append(self, k_new, v_new)
         if k_new.dim() == 3:
             k_new, v_new = k_new.unsqueeze(1), v_new.unsqueeze(1)
         n = k_new.shape[1]
@@ -638,6 +665,7 @@ class CPKVCache:
         """Attention of ``q [B, Hq, D]``, or ``q [B, Q, Hq, D]`` with the causal rule in global positions,
         over the cache, merged across the ranks (all ranks call it); ``kwargs`` as in
         :func:`cp_flash_decode`, plus ``window_left`` (in global positions, as in :func:`flash_decode`)."""
+        check_inference("CPKVCache.decode", ("q", *kwargs), q, *kwargs.values())
         for own in ("block_table", "kv_layout", "k_scale", "v_scale"):
             if own in kwargs:
                 raise TypeError(f"CPKVCache.decode takes no {own} (the cache has its own)")

@@ -26,10 +26,10 @@ from typing import NamedTuple
 
 import torch
 
-from . import _dispatch
+from . import _dispatch, _library
 from ._constants import FLOAT_DTYPES, LN2, LOG2E
 from ._dispatch import use_triton
-from ._validate import check_state, check_state_tensors, check_variants
+from ._validate import check_inference, check_state, check_state_tensors, check_variants
 
 __all__ = ["AttentionState", "merge", "merge_states", "lse_to_base2", "lse_from_base2"]
 
@@ -82,6 +82,7 @@ def merge_states(o: torch.Tensor, lse: torch.Tensor, *, out_dtype: torch.dtype |
     >>> merge_states(o, torch.zeros(2, 1)).o
     tensor([[0.5000, 0.5000]])
     """
+    check_inference("merge_states", ("o", "lse", "sinks"), o, lse, sinks)
     check_state_tensors(o, lse, "o", "lse")
     if o.dim() < 2 or o.shape[0] < 1:
         raise ValueError(f"o must have shape [N, ..., D] with N >= 1, got {tuple(o.shape)}")
@@ -94,6 +95,8 @@ def merge_states(o: torch.Tensor, lse: torch.Tensor, *, out_dtype: torch.dtype |
         if o.dim() < 3:
             raise ValueError(f"o must have a head dim [N, ..., H, D] to take sinks, got shape {tuple(o.shape)}")
         check_variants(None, None, sinks, o.shape[-2], o.device)
+    if torch.compiler.is_compiling():  # a torch.compile trace: the custom op (Note [Custom ops under torch.compile])
+        return _library.merge_states(o, lse, out_dtype, sinks)
     if use_triton(o):
         from .ops.merge import merge_states_into
 
@@ -155,6 +158,7 @@ def merge(a: AttentionState, b: AttentionState) -> AttentionState:
     >>> merge(a, b).lse
     tensor([0.6931])
     """
+    check_inference("merge", ("a", "b"), a, b)
     check_state("a", a)
     check_state("b", b)
     if a[0].shape != b[0].shape:
