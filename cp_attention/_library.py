@@ -103,25 +103,20 @@ def _concrete(x):
 
 
 @contextlib.contextmanager
-def _scratch_of_its_own(q: Tensor):
-    """Eager decode calls made inside (the kernels' split workspace and LSE scratch) get a scratch of their
-    own, freed when the op returns, instead of the one kept per (device, stream) (Note [The decode hot
-    path]). ``mode="reduce-overhead"`` runs the op inside the CUDA-graph memory pool of torch.compile's
-    graph trees, where every allocation must end or be a graph output: a kept buffer would stay in the pool
-    untracked."""
+def _scratch_of_its_own():
+    """The eager decode calls made inside (on any stream) get scratch buffers of their own (the kernels'
+    split workspace and LSE scratch), freed when the op returns, instead of the ones kept per (device,
+    stream) (Note [The decode hot path]): ``mode="reduce-overhead"`` runs the op inside the memory pool of
+    torch.compile's CUDA-graph trees, where every allocation must be freed or be a graph output, and a
+    kept buffer would stay there untracked."""
     from . import decode
 
-    cuda = q.get_device() if q.is_cuda else None
-    key = (cuda, torch._C._cuda_getCurrentRawStream(cuda) if cuda is not None else 0)
-    kept = decode._SCRATCH.get(key)
-    decode._SCRATCH[key] = decode._Scratch()
+    kept = decode._SCRATCH
+    decode._SCRATCH = {}
     try:
         yield
     finally:
-        if kept is None:
-            decode._SCRATCH.pop(key, None)
-        else:
-            decode._SCRATCH[key] = kept
+        decode._SCRATCH = kept
 
 
 def _no_fake_mode():
@@ -187,7 +182,7 @@ def flash_decode_op(q: Tensor, k: Tensor, v: Tensor, seq_lens: Optional[Tensor],
     from .state import AttentionState
 
     o, lse = _new_state(q, out)
-    with _scratch_of_its_own(q):
+    with _scratch_of_its_own():
         flash_decode(q, k, v, seq_lens, block_table=block_table, sm_scale=sm_scale, num_splits=num_splits,
                      kv_layout=kv_layout, split_size=split_size, k_scale=_scale(k_scale, k_scale_float),
                      v_scale=_scale(v_scale, v_scale_float), window_left=window_left, logit_softcap=logit_softcap,
@@ -278,10 +273,11 @@ def _flat_levels(levels):
     """The op's parallel lists of ``levels`` (a list or tuple of ``CascadeLevel``)."""
     from .cascade import CascadeLevel
 
-    if isinstance(levels, CascadeLevel) or not isinstance(levels, (list, tuple)) or not all(
-            isinstance(lvl, CascadeLevel) for lvl in levels):
-        raise TypeError(f"levels must be a list or tuple of CascadeLevel, got {type(levels).__name__} "
-                        "(of something else)")
+    if isinstance(levels, CascadeLevel) or not isinstance(levels, (list, tuple)):
+        raise TypeError(f"levels must be a list or tuple of CascadeLevel, got {type(levels).__name__}")
+    for i, lvl in enumerate(levels):
+        if not isinstance(lvl, CascadeLevel):
+            raise TypeError(f"levels[{i}] must be a CascadeLevel, got {type(lvl).__name__}")
     return tuple(list(part) for part in zip(*levels)) if levels else ([], [], [], [], [])
 
 
@@ -294,7 +290,7 @@ def cascade_decode_op(q: Tensor, k: list[Tensor], v: list[Tensor], seq_lens: lis
     """:func:`cp_attention.cascade_decode` with ``return_lse=True``, the levels as parallel lists."""
     from .cascade import cascade_decode
 
-    with _scratch_of_its_own(q):
+    with _scratch_of_its_own():
         st = cascade_decode(q, _levels(k, v, seq_lens, segment_ids, block_table, True), sm_scale=sm_scale,
                             k_scale=_scale(k_scale, k_scale_float), v_scale=_scale(v_scale, v_scale_float),
                             logit_softcap=logit_softcap, sinks=sinks, return_lse=True)
@@ -400,7 +396,7 @@ def cp_flash_decode_op(q: Tensor, k_shard: Tensor, v_shard: Tensor, seq_lens_sha
     kwargs = dict(block_table=block_table, sinks=sinks, k_scale=_scale(k_scale, k_scale_float),
                   v_scale=_scale(v_scale, v_scale_float), sm_scale=sm_scale, num_splits=num_splits,
                   split_size=split_size, kv_layout=kv_layout, logit_softcap=logit_softcap, return_lse=True)
-    with _scratch_of_its_own(q):
+    with _scratch_of_its_own():
         st = _cp_decode(q, k_shard, v_shard, seq_lens_shard, group=_group(group_name),
                         check_metadata=check_metadata and not _capturing(q), row_limits=row_limits, span=span,
                         kwargs={name: x for name, x in kwargs.items() if x is not None})
@@ -459,7 +455,7 @@ def cp_cascade_decode_op(q: Tensor, k: list[Tensor], v: list[Tensor], seq_lens: 
 
     kwargs = dict(sm_scale=sm_scale, k_scale=_scale(k_scale, k_scale_float), v_scale=_scale(v_scale, v_scale_float),
                   logit_softcap=logit_softcap, sinks=sinks)
-    with _scratch_of_its_own(q):
+    with _scratch_of_its_own():
         st = cp_cascade_decode(q, _levels(k, v, seq_lens, segment_ids, block_table, True),
                                group=_group(group_name), check_metadata=check_metadata and not _capturing(q),
                                return_lse=True, **{name: x for name, x in kwargs.items() if x is not None})
