@@ -125,7 +125,7 @@ def test_compiled_decode_step_equals_eager(path, monkeypatch):
         torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -3, atol=2 ** -9)
 
 
-def _decode_args(x, q, k, v, seq_lens=None, **kw):
+def _decode_args(q, k, v, seq_lens=None, **kw):
     """The positional arguments of ``cp_attention::flash_decode``."""
     return (q, k, v, seq_lens, kw.get("block_table"), kw.get("row_limits"), kw.get("sinks"), kw.get("k_scale"),
             kw.get("v_scale"), kw.get("k_scale_float"), kw.get("v_scale_float"), kw.get("sm_scale"),
@@ -135,15 +135,15 @@ def _decode_args(x, q, k, v, seq_lens=None, **kw):
 
 OPCHECK = {
     "decode-dense-Q3-sinks-softcap-splits3": lambda x: (_library.flash_decode_op, _decode_args(
-        x, x["q3"], x["k"], x["v"], x["seq_lens"], sinks=x["sinks"], logit_softcap=30.0, sm_scale=0.2, num_splits=3)),
+        x["q3"], x["k"], x["v"], x["seq_lens"], sinks=x["sinks"], logit_softcap=30.0, sm_scale=0.2, num_splits=3)),
     "decode-paged-NHD-window5-out-fp32": lambda x: (_library.flash_decode_op, _decode_args(
-        x, x["q"], x["pool_k"], x["pool_v"], x["seq_lens"], block_table=x["block_table"], kv_layout="NHD",
+        x["q"], x["pool_k"], x["pool_v"], x["seq_lens"], block_table=x["block_table"], kv_layout="NHD",
         window_left=5, out=x["q"].float())),
     "decode-fp8-tensor-scales-Q3-row_limits": lambda x: (_library.flash_decode_op, _decode_args(
-        x, x["q3"], x["k8"], x["v8"], x["seq_lens"], k_scale=x["k_scale"], v_scale=x["v_scale"],
+        x["q3"], x["k8"], x["v8"], x["seq_lens"], k_scale=x["k_scale"], v_scale=x["v_scale"],
         row_limits=x["row_limits"])),
     "decode-fp8-float-scales-split_size16": lambda x: (_library.flash_decode_op, _decode_args(
-        x, x["q"], x["k8"], x["v8"], x["seq_lens"], k_scale_float=0.5, v_scale_float=0.25, split_size=16)),
+        x["q"], x["k8"], x["v8"], x["seq_lens"], k_scale_float=0.5, v_scale_float=0.25, split_size=16)),
     "cascade-3-levels-Q3-sinks": lambda x: (_library.cascade_decode_op, (
         x["q3"], *_library._flat_levels(x["levels"]), 0.3, None, None, None, None, 20.0, x["sinks"])),
     "merge_states-N3-sinks-fp32": lambda x: (_library.merge_states_op, (x["o"], x["lse"], torch.float32, x["sinks"])),
@@ -189,8 +189,8 @@ def test_bad_input_raises_at_trace_time(call, message):
         torch.compile(call, fullgraph=True, backend="eager")(x)
 
 
-def _cache(world=1):
-    return CPKVCache(B, HKV, D, 40, dtype=torch.float32, rank=0, world_size=world)
+def _cache():
+    return CPKVCache(B, HKV, D, 40, dtype=torch.float32, rank=0, world_size=1)
 
 
 GRAD = {  # (call, the input made to require grad, how the message names the function and the argument)
