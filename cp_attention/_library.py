@@ -50,7 +50,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from . import _dispatch
 from ._constants import FP8_DTYPES
+from ._validate import check_bool, check_sm_scale
+
+# The modules of the public functions import this one, so it imports theirs inside its functions.
 
 # -------------------------------------------------------------------------------------------------------
 # Helpers of the real and fake implementations
@@ -128,8 +132,6 @@ def _no_fake_mode():
 def _new_state(q: Tensor, out: Optional[Tensor]):
     """Fresh ``(o, lse)`` for a state of ``q``'s rows: ``o`` of q's shape in ``out``'s dtype (q's without
     ``out``), ``lse`` float32 of ``q.shape[:-1]``."""
-    from . import _dispatch
-
     dtype = q.dtype if out is None else out.dtype
     return (_dispatch.new_buffer(tuple(q.shape), dtype, q.device),
             _dispatch.new_buffer(tuple(q.shape[:-1]), torch.float32, q.device))
@@ -194,7 +196,6 @@ def flash_decode_op(q: Tensor, k: Tensor, v: Tensor, seq_lens: Optional[Tensor],
 def _(q, k, v, seq_lens, block_table, row_limits, sinks, k_scale, v_scale, k_scale_float, v_scale_float, sm_scale,
       num_splits, split_size, kv_layout, window_left, logit_softcap, out, out_lse):
     from .decode import check_decode_args, check_split_size
-    from ._validate import check_sm_scale
 
     sm_scale, num_splits, split_size, window_left, logit_softcap, k_scale_float, v_scale_float = map(
         _concrete, (sm_scale, num_splits, split_size, window_left, logit_softcap, k_scale_float, v_scale_float))
@@ -212,8 +213,6 @@ def _(q, k, v, seq_lens, block_table, row_limits, sinks, k_scale, v_scale, k_sca
 def flash_decode(q, k, v, seq_lens, block_table, sm_scale, num_splits, kv_layout, split_size, k_scale, v_scale,
                  window_left, logit_softcap, sinks, return_lse, out, plan, row_limits, span, export):
     """:func:`cp_attention.flash_decode` while Dynamo traces it: the op, then ``out`` and ``return_lse``."""
-    from ._validate import check_bool
-
     if plan is not None:
         raise TypeError("plan is not supported under torch.compile (a DecodePlan is a Python object that the "
                         "cp_attention::flash_decode op cannot carry); leave it None")
@@ -313,8 +312,6 @@ def _cascade_decode_fake(q, k, v, seq_lens, segment_ids, block_table, sm_scale, 
 def cascade_decode(q, levels, sm_scale, k_scale, v_scale, logit_softcap, sinks, return_lse, private):
     """:func:`cp_attention.cascade_decode` while Dynamo traces it; ``private``: its private arguments,
     which only eager callers pass."""
-    from ._validate import check_bool
-
     if any(x is not None for x in private):
         raise TypeError("the private arguments of cascade_decode are not supported under torch.compile")
     check_bool("return_lse", return_lse)
@@ -406,7 +403,6 @@ def cp_flash_decode_op(q: Tensor, k_shard: Tensor, v_shard: Tensor, seq_lens_sha
 @cp_flash_decode_op.register_fake
 def _(q, k_shard, v_shard, seq_lens_shard, group_name, check_metadata, block_table, row_limits, span, sinks,
       k_scale, v_scale, k_scale_float, v_scale_float, sm_scale, num_splits, split_size, kv_layout, logit_softcap):
-    from ._validate import check_sm_scale
     from .decode import check_decode_args
     from .distributed import _split_slots
 
@@ -502,8 +498,6 @@ def cp_kv_append_op(k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tens
     page included: dense ``[B, Hkv, capacity + 1, D]`` (``block_table`` None) or page pools
     ``[num_pages + 1, page_size, Hkv, D]``. A token this rank does not own goes nowhere (the Triton
     kernel) or, on the torch path, to the scratch slot or page, which is never read."""
-    from . import _dispatch
-
     if k_cache.dtype in FP8_DTYPES and k_new.dtype not in FP8_DTYPES:
         from .quant import quantize
 
