@@ -208,7 +208,7 @@ def cascade_decode(q, levels, *, sm_scale=None, k_scale=None, v_scale=None, logi
     """
     check_inference("cascade_decode", ("q", "levels", "k_scale", "v_scale", "sinks"), q, levels, k_scale, v_scale,
                     sinks)
-    if torch.compiler.is_compiling():  # a torch.compile trace: the custom op (Note [Custom ops under torch.compile])
+    if torch.compiler.is_compiling():  # Dynamo traces: the op (Note [Custom ops under torch.compile], _library.py)
         return _library.cascade_decode(q, levels, sm_scale, k_scale, v_scale, logit_softcap, sinks, return_lse,
                                        (_num_splits, _config, _out))
     checked, kv_scale = _validate(q, levels, sm_scale, return_lse, k_scale, v_scale, logit_softcap, sinks)

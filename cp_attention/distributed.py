@@ -78,7 +78,7 @@ def all_gather_states(state, group=None) -> AttentionState:
     """
     check_inference("all_gather_states", ("state",), state)
     check_state("state", state)
-    if torch.compiler.is_compiling():  # a torch.compile trace: the custom op (Note [Custom ops under torch.compile])
+    if torch.compiler.is_compiling():  # Dynamo traces: the op (Note [Custom ops under torch.compile], _library.py)
         return _library.all_gather_states(state, group)
     o, lse = state
     exchange = exchange_for(group)
@@ -112,7 +112,7 @@ def merge_across_ranks(state, group=None) -> AttentionState:
     """
     check_inference("merge_across_ranks", ("state",), state)
     check_state("state", state)
-    if torch.compiler.is_compiling():  # a torch.compile trace: the custom op (Note [Custom ops under torch.compile])
+    if torch.compiler.is_compiling():  # Dynamo traces: the op (Note [Custom ops under torch.compile], _library.py)
         return _library.merge_across_ranks(state, group)
     o, lse = state
     exchange = exchange_for(group)
@@ -299,7 +299,7 @@ def _cp_decode(q, k_shard, v_shard, seq_lens_shard, *, group, check_metadata, ro
     check_bool("return_lse", kwargs.get("return_lse", False))
     if "out" in kwargs:
         raise TypeError("cp_flash_decode does not take out (the local state goes into the exchange buffer)")
-    if torch.compiler.is_compiling():  # a torch.compile trace: the custom op (Note [Custom ops under torch.compile])
+    if torch.compiler.is_compiling():  # Dynamo traces: the op (Note [Custom ops under torch.compile], _library.py)
         return _library.cp_decode(q, k_shard, v_shard, seq_lens_shard, group, check_metadata, row_limits, span, kwargs)
     if check_metadata:
         _agree(lambda: _decode_meta(q, k_shard, v_shard, seq_lens_shard, kwargs, row_limits), group, "cp_flash_decode")
@@ -407,7 +407,7 @@ def cp_cascade_decode(q, levels, *, group=None, check_metadata=True, **cascade_k
                          "rule in global positions")
     check_bool("check_metadata", check_metadata)
     check_bool("return_lse", cascade_kwargs.get("return_lse", False))
-    if torch.compiler.is_compiling():  # a torch.compile trace: the custom op (Note [Custom ops under torch.compile])
+    if torch.compiler.is_compiling():  # Dynamo traces: the op (Note [Custom ops under torch.compile], _library.py)
         return _library.cp_cascade_decode(q, levels, group, check_metadata, cascade_kwargs)
     if check_metadata:
         def meta():
@@ -623,7 +623,7 @@ class CPKVCache:
                                  f"([B, Hkv, D] or [B, Q, Hkv, D]), got {tuple(t.shape)}")
         if k_new.shape != v_new.shape:
             raise ValueError(f"v_new must have k_new's shape {tuple(k_new.shape)}, got {tuple(v_new.shape)}")
-        if torch.compiler.is_compiling():  # a torch.compile trace: the op (Note [Custom ops under torch.compile])
+        if torch.compiler.is_compiling():  # Dynamo traces: the op (Note [Custom ops under torch.compile], _library.py)
             return _library.cp_kv_append(self, k_new, v_new)
         if k_new.dim() == 3:
             k_new, v_new = k_new.unsqueeze(1), v_new.unsqueeze(1)

@@ -95,7 +95,7 @@ def merge_states(o: torch.Tensor, lse: torch.Tensor, *, out_dtype: torch.dtype |
         if o.dim() < 3:
             raise ValueError(f"o must have a head dim [N, ..., H, D] to take sinks, got shape {tuple(o.shape)}")
         check_variants(None, None, sinks, o.shape[-2], o.device)
-    if torch.compiler.is_compiling():  # a torch.compile trace: the custom op (Note [Custom ops under torch.compile])
+    if torch.compiler.is_compiling():  # Dynamo traces: the op (Note [Custom ops under torch.compile], _library.py)
         return _library.merge_states(o, lse, out_dtype, sinks)
     if use_triton(o):
         from .ops.merge import merge_states_into
