@@ -401,3 +401,29 @@ def check_cascade_args(q, levels, *, sm_scale=None, return_lse=False, k_scale=No
     fp8 = [lv.lvl.k.dtype for lv in out if lv.lvl.k.dtype in FP8_DTYPES]
     kv_scale = check_kv_scales(k_scale, v_scale, fp8[0] if fp8 else q.dtype, q.dtype, hkv0, q.device)
     return out, kv_scale
+
+
+def check_inference(fn: str, names: tuple, *args) -> None:
+    """``fn`` is an inference op (it has no backward): while grad mode is on, none of ``args`` (named by
+    ``names``; tensors, ``None``, Python scalars, or tuples and lists of them such as an ``AttentionState``
+    or a list of ``CascadeLevel``) may require grad, since its output would silently carry no gradient.
+    Raises ``ValueError`` naming ``fn`` and the argument. Under ``torch.no_grad()`` or
+    ``torch.inference_mode()`` it reads the grad mode only; else the common arguments (``None``, plain
+    tensors that require no grad) cost one test each."""
+    if not torch.is_grad_enabled():
+        return
+    tensor = torch.Tensor
+    for x in args:
+        if x is not None and (x.__class__ is not tensor or x.requires_grad):
+            break
+    else:
+        return
+    for name, x in zip(names, args):
+        if isinstance(x, torch.Tensor):
+            if x.requires_grad:
+                raise ValueError(f"{fn} is an inference op: {name} requires grad; call it under torch.no_grad() "
+                                 f"or torch.inference_mode(), or detach the input")
+        elif isinstance(x, (tuple, list)):
+            fields = getattr(x, "_fields", None)
+            check_inference(fn, tuple(f"{name}.{f}" for f in fields) if fields is not None
+                            else tuple(f"{name}[{i}]" for i in range(len(x))), *x)

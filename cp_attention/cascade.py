@@ -42,10 +42,10 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import _device
+from . import _device, _library
 from ._constants import FP8_DTYPES
 from ._device import use_triton
-from ._validate import PER_REQUEST, SEGMENTS, SHARED_ALL, check_cascade_args, resolve_sm_scale
+from ._validate import PER_REQUEST, SEGMENTS, SHARED_ALL, check_cascade_args, check_inference, resolve_sm_scale
 from .decode import flash_decode
 from .heuristics import prefix_plan
 from .quant import dequantize
@@ -110,6 +110,11 @@ def cascade_decode(q, levels, *, sm_scale=None, k_scale=None, v_scale=None, logi
     >>> cascade_decode(q, [prefix, suffix], return_lse=True).lse.shape
     torch.Size([3, 8])
     """
+    check_inference("cascade_decode", ("q", "levels", "k_scale", "v_scale", "sinks"), q, levels, k_scale, v_scale,
+                    sinks)
+    if torch.compiler.is_compiling():  # Dynamo traces: the op (Note [Custom ops under torch.compile], _library.py)
+        return _library.cascade_decode(q, levels, sm_scale, k_scale, v_scale, logit_softcap, sinks, return_lse,
+                                       (_num_splits, _config, _out))
     if _checked is None:  # (a context-parallel caller checked them in its agreement collective)
         _checked = check_cascade_args(q, levels, sm_scale=sm_scale, return_lse=return_lse, k_scale=k_scale,
                                       v_scale=v_scale, logit_softcap=logit_softcap, sinks=sinks)

@@ -26,10 +26,10 @@ from typing import NamedTuple
 
 import torch
 
-from . import _device
+from . import _device, _library
 from ._constants import LOG2E
 from ._device import use_triton
-from ._validate import (CacheGeometry, check_bool, check_decode_args, check_kv_scales, check_scale_values,
+from ._validate import (CacheGeometry, check_bool, check_decode_args, check_inference, check_kv_scales, check_scale_values,
                         check_sm_scale, check_variants, scale_values_checked, unpack_out)
 from .heuristics import plan_decode
 from .quant import dequantize
@@ -233,6 +233,18 @@ def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num
     >>> flash_decode(q, k, k, torch.tensor([100, 7]), return_lse=True).lse.shape
     torch.Size([2, 8])
     """
+    check_inference("flash_decode", ("q", "k", "v", "sinks", "k_scale", "v_scale", "out"), q, k, v, sinks, k_scale,
+                    v_scale, out)
+    if torch.compiler.is_compiling():  # Dynamo traces: the op (Note [Custom ops under torch.compile], _library.py)
+        return _library.flash_decode(q, k, v, seq_lens, block_table, sm_scale, num_splits, kv_layout, split_size,
+                                     k_scale, v_scale, window_left, logit_softcap, sinks, return_lse, out, plan,
+                                     row_limits, _span, _export)
+    check_inference("flash_decode", ("q", "k", "v", "sinks", "k_scale", "v_scale", "out"), q, k, v, sinks, k_scale,
+                    v_scale, out)
+    if torch.compiler.is_compiling():  # Dynamo traces: the op (Note [Custom ops under torch.compile], _library.py)
+        return _library.flash_decode(q, k, v, seq_lens, block_table, sm_scale, num_splits, kv_layout, split_size,
+                                     k_scale, v_scale, window_left, logit_softcap, sinks, return_lse, out, plan,
+                                     row_limits, _span, _export)
     # The key (Note [The decode hot path]); the pointers it reads are the launch's arguments.
     global _LAST
     key = prep = None

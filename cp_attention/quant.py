@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ._constants import FP8_DTYPES
-from ._validate import check_bool, check_kv_layout, check_tensor
+from ._validate import check_bool, check_inference, check_kv_layout, check_tensor
 
 __all__ = ["quantize_kv", "quantize", "dequantize"]
 
@@ -81,6 +81,7 @@ def quantize_kv(k, v, dtype=torch.float8_e4m3fn, *, per_head=False, kv_layout="H
     >>> k8.dtype, ks.shape, bool(((k8.float() * ks.view(1, 2, 1, 1) - k).abs() <= k.abs().amax() / 8).all())
     (torch.float8_e4m3fn, torch.Size([2]), True)
     """
+    check_inference("quantize_kv", ("k", "v"), k, v)
     if dtype not in FP8_DTYPES:
         raise TypeError(f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
     check_kv_layout(kv_layout)

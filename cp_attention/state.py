@@ -26,10 +26,10 @@ from typing import NamedTuple
 
 import torch
 
-from . import _device
+from . import _device, _library
 from ._constants import FLOAT_DTYPES, LN2, LOG2E
 from ._device import use_triton
-from ._validate import check_state, check_state_tensors, check_variants
+from ._validate import check_inference, check_state, check_state_tensors, check_variants
 
 __all__ = ["AttentionState", "merge", "merge_states", "lse_to_base2", "lse_from_base2"]
 
@@ -98,6 +98,9 @@ def merge_states(o: torch.Tensor, lse: torch.Tensor, *, out_dtype: torch.dtype |
     >>> merge_states(o, torch.zeros(2, 1)).o
     tensor([[0.5000, 0.5000]])
     """
+    check_inference("merge_states", ("o", "lse", "sinks"), o, lse, sinks)
+    if torch.compiler.is_compiling():  # Dynamo traces: the op (Note [Custom ops under torch.compile], _library.py)
+        return _library.merge_states(o, lse, _check_merge(o, lse, out_dtype, sinks), sinks)
     key = None
     if o.__class__ is torch.Tensor and lse.__class__ is torch.Tensor and o.is_cuda:
         op, lp = o.data_ptr(), lse.data_ptr()
@@ -112,18 +115,9 @@ def merge_states(o: torch.Tensor, lse: torch.Tensor, *, out_dtype: torch.dtype |
                                       (op, lp, lp if sinks is None else sinks.data_ptr(), out_o.data_ptr(),
                                        out_lse.data_ptr(), lp))
             return AttentionState(out_o, out_lse)
-    check_state_tensors(o, lse, "o", "lse")
-    if o.dim() < 2 or o.shape[0] < 1:
-        raise ValueError(f"o must have shape [N, ..., D] with N >= 1, got {tuple(o.shape)}")
+    out_dtype = _check_merge(o, lse, out_dtype, sinks)
     n, d = o.shape[0], o.shape[-1]
     lead = tuple(o.shape[1:-1])
-    out_dtype = o.dtype if out_dtype is None else out_dtype
-    if out_dtype not in FLOAT_DTYPES:
-        raise TypeError(f"out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
-    if sinks is not None:
-        if o.dim() < 3:
-            raise ValueError(f"o must have a head dim [N, ..., H, D] to take sinks, got shape {tuple(o.shape)}")
-        check_variants(None, None, sinks, o.shape[-2], o.device)
     if not use_triton(o):
         return merge_states_torch(o, lse, out_dtype, sinks)
     from .ops.merge import merge_launcher
@@ -146,6 +140,21 @@ def merge_states(o: torch.Tensor, lse: torch.Tensor, *, out_dtype: torch.dtype |
             _MERGE_PREPARED.clear()
         _MERGE_PREPARED[key] = _MergePrepared(launcher, o.device, cuda, lead + (d,), lead, out_dtype)
     return AttentionState(out_o, out_lse)
+
+
+def _check_merge(o, lse, out_dtype, sinks) -> torch.dtype:
+    """:func:`merge_states`' arguments; returns the output dtype."""
+    check_state_tensors(o, lse, "o", "lse")
+    if o.dim() < 2 or o.shape[0] < 1:
+        raise ValueError(f"o must have shape [N, ..., D] with N >= 1, got {tuple(o.shape)}")
+    out_dtype = o.dtype if out_dtype is None else out_dtype
+    if out_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
+    if sinks is not None:
+        if o.dim() < 3:
+            raise ValueError(f"o must have a head dim [N, ..., H, D] to take sinks, got shape {tuple(o.shape)}")
+        check_variants(None, None, sinks, o.shape[-2], o.device)
+    return out_dtype
 
 
 def merge_states_torch(o: torch.Tensor, lse: torch.Tensor, out_dtype: torch.dtype, sinks=None) -> AttentionState:
@@ -205,6 +214,8 @@ def merge(a: AttentionState, b: AttentionState) -> AttentionState:
     >>> merge(a, b).lse
     tensor([0.6931])
     """
+    check_inference("merge", ("a", "b"), a, b)
+    check_inference("merge", ("a", "b"), a, b)
     check_state("a", a)
     check_state("b", b)
     if a[0].shape != b[0].shape:

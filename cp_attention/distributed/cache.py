@@ -6,9 +6,9 @@ import numbers
 import torch
 import torch.distributed as dist
 
-from .. import _device
+from .. import _device, _library
 from .._constants import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES
-from .._validate import check_int, check_kv_scales, check_tensor, check_unit_stride
+from .._validate import check_inference, check_int, check_kv_scales, check_tensor, check_unit_stride
 from .agree import check_ranks
 from .decode import cp_decode
 from .shard import interleaved_counts, shard_kv
@@ -188,7 +188,19 @@ class CPKVCache:
         cache's dtype (an FP8 cache also takes float16/bfloat16/float32 tokens and quantises them with its
         scales) and device, the same on every rank, unit stride in D. Global position ``len + j`` goes to
         rank ``(len + j) % W``; no host sync. With the Triton kernels one launch stores the tokens and
-        advances the lengths (``ops/append.py``; non-owners write nothing)."""
+        advances the lengths (``ops/append.py``; non-owners write nothing).
+
+        Under ``torch.compile`` the append is the op ``cp_attention::cp_kv_append``, which mutates the
+        buffers and lengths on the device; the host-side count behind :attr:`free_slots` does not advance
+        inside a compiled graph (as in CUDA-graph replays, see the class docstring). A compiled caller
+        bounds its steps by :attr:`free_slots` read before them (beyond it, tokens are dropped on the
+        device, never written out of bounds), and may bring the count up to date outside the compiled
+        code with ``cache.set_lengths(cache.global_seq_lens)`` (one host sync). For
+        ``mode="reduce-overhead"`` (CUDA graphs), first mark the tensors the graph mutates static with
+        ``torch._dynamo.mark_static_address``: ``k``, ``v`` (and for a dense cache ``k._base``,
+        ``v._base``, the buffers with the scratch slot), ``seq_lens`` and ``global_seq_lens``; and make one
+        eager :meth:`decode` call of each query shape, which allocates the exchange's buffers."""
+        check_inference("CPKVCache.append", ("k_new", "v_new"), k_new, v_new)
         b, hkv, d = self.seq_lens.shape[0], self._heads_kv, self._head_dim
         dtypes = (self.k.dtype,) + (FLOAT_DTYPES if self.k.dtype in FP8_DTYPES else ())
         for name, t in (("k_new", k_new), ("v_new", v_new)):
@@ -201,6 +213,8 @@ class CPKVCache:
                                  f"([B, Hkv, D] or [B, Q, Hkv, D]), got {tuple(t.shape)}")
         if k_new.shape != v_new.shape:
             raise ValueError(f"v_new must have k_new's shape {tuple(k_new.shape)}, got {tuple(v_new.shape)}")
+        if torch.compiler.is_compiling():  # Dynamo traces: the op (Note [Custom ops under torch.compile], _library.py)
+            return _library.cp_kv_append(self, k_new, v_new)
         if k_new.dim() == 3:
             k_new, v_new = k_new.unsqueeze(1), v_new.unsqueeze(1)
         n = k_new.shape[1]
@@ -249,6 +263,7 @@ class CPKVCache:
         """Attention of ``q [B, Hq, D]``, or ``q [B, Q, Hq, D]`` with the causal rule in global positions,
         over the cache, merged across the ranks (all ranks call it); ``kwargs`` as in
         :func:`cp_flash_decode`, plus ``window_left`` (in global positions, as in :func:`flash_decode`)."""
+        check_inference("CPKVCache.decode", ("q", *kwargs), q, *kwargs.values())
         for own in ("block_table", "kv_layout", "k_scale", "v_scale"):
             if own in kwargs:
                 raise TypeError(f"CPKVCache.decode takes no {own} (the cache has its own)")

@@ -38,9 +38,9 @@ import os
 import torch
 import torch.distributed as dist
 
-from .. import _device
+from .. import _device, _library
 from .._constants import FLOAT_DTYPES
-from .._validate import check_bool, check_cascade_args, check_decode_args, check_state, check_tensor
+from .._validate import check_bool, check_cascade_args, check_decode_args, check_inference, check_state, check_tensor
 from ..cascade import cascade_decode
 from ..decode import flash_decode, merge_packed_torch
 from ..ops.split_kv import combine_exported
@@ -71,7 +71,10 @@ def all_gather_states(state, group=None) -> AttentionState:
     >>> st.o.shape, st.lse.shape
     (torch.Size([2, 4, 8, 64]), torch.Size([2, 4, 8]))
     """
+    check_inference("all_gather_states", ("state",), state)
     check_state("state", state)
+    if torch.compiler.is_compiling():  # Dynamo traces: the op (Note [Custom ops under torch.compile], _library.py)
+        return _library.all_gather_states(state, group)
     o, lse = state
     exchange = exchange_for(group)
     gathered = exchange.gather(_pack(o, lse, exchange))
@@ -102,7 +105,10 @@ def merge_across_ranks(state, group=None) -> AttentionState:
     >>> # rank r holds the state of its own keys; every rank gets the state of all keys
     >>> merged = merge_across_ranks(AttentionState(o_local, lse_local))
     """
+    check_inference("merge_across_ranks", ("state",), state)
     check_state("state", state)
+    if torch.compiler.is_compiling():  # Dynamo traces: the op (Note [Custom ops under torch.compile], _library.py)
+        return _library.merge_across_ranks(state, group)
     o, lse = state
     exchange = exchange_for(group)
     return exchange.merge(_pack(o, lse, exchange), o.dtype)
@@ -155,6 +161,9 @@ def cp_decode(q, k_shard, v_shard, seq_lens_shard, *, group, check_metadata, row
     check_bool("check_metadata", check_metadata)
     if "out" in kwargs:
         raise TypeError(f"{what} does not take out (the local state goes into the exchange buffer)")
+    if torch.compiler.is_compiling():  # Dynamo traces: the op (Note [Custom ops under torch.compile], _library.py)
+        return _library.cp_decode(q, k_shard, v_shard, seq_lens_shard, group, check_metadata, row_limits, span, kwargs,
+                                  window_left, what)
     geo = None
     if check_metadata and not _capturing(q):
         geo = agree(lambda: decode_meta(q, k_shard, v_shard, seq_lens_shard, kwargs, row_limits, window_left), group,
@@ -242,6 +251,8 @@ def cp_flash_decode(q, k_shard, v_shard, seq_lens_shard, *, group=None, check_me
     >>> ks, vs, lens = shard_kv(k, v, seq_lens, dist.get_rank(), dist.get_world_size())
     >>> o = cp_flash_decode(q, ks, vs, lens)          # == flash_decode(q, k, v, seq_lens)
     """
+    check_inference("cp_flash_decode", ("q", "k_shard", "v_shard", *flash_decode_kwargs), q, k_shard, v_shard,
+                    *flash_decode_kwargs.values())
     if isinstance(q, torch.Tensor) and q.dim() == 4:
         raise ValueError("q must have 3 dims [B, Hq, D] in cp_flash_decode: several query rows need the causal "
                          "rule in global positions, which CPKVCache.decode applies")
@@ -272,10 +283,14 @@ def cp_cascade_decode(q, levels, *, group=None, check_metadata=True, **cascade_k
     >>> ks, vs, lens = shard_kv(prefix_k, prefix_v, None, rank, world)       # [1, Hkv, C, D] each
     >>> o = cp_cascade_decode(q, [CascadeLevel(ks, vs, lens), own_tokens_shard])
     """
+    check_inference("cp_cascade_decode", ("q", "levels", *cascade_kwargs), q, levels, *cascade_kwargs.values())
     if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] > 1:
         raise ValueError("q must have one row per request in cp_cascade_decode: several query rows need the causal "
                          "rule in global positions")
     check_bool("check_metadata", check_metadata)
+    check_bool("return_lse", cascade_kwargs.get("return_lse", False))
+    if torch.compiler.is_compiling():  # Dynamo traces: the op (Note [Custom ops under torch.compile], _library.py)
+        return _library.cp_cascade_decode(q, levels, group, check_metadata, cascade_kwargs)
     kwargs = dict(cascade_kwargs)
     checked = None
     if check_metadata and not _capturing(q):
@@ -285,7 +300,6 @@ def cp_cascade_decode(q, levels, *, group=None, check_metadata=True, **cascade_k
 
         checked = agree(local, group, "cp_cascade_decode")
     return_lse = kwargs.pop("return_lse", False)
-    check_bool("return_lse", return_lse)
     sinks = kwargs.pop("sinks", None)
     d = q.shape[-1]
     return _exchange(q, lambda o, lse, push: cascade_decode(q, levels, _out=(o.reshape(-1, d), lse.reshape(-1), push),
