@@ -3,6 +3,8 @@ left-padded prompt batch and transformers' own eager reference. Shared by ``test
 ``torchrun`` worker ``tests/_hf_worker.py``."""
 from __future__ import annotations
 
+import inspect
+
 import torch
 import transformers
 
@@ -52,11 +54,14 @@ def tiny_model(arch: str, seed: int = 0, dtype=torch.float32, **overrides):
     return model.to(dtype).eval()
 
 
-def prompts(seed: int = 1):
-    """``(input_ids [3, 11], attention_mask [3, 11])``: three prompts of lengths 11, 4, 8, left-padded."""
+def prompts(seed: int = 1, padded: bool = True):
+    """``(input_ids [3, 11], attention_mask [3, 11])``: three prompts of lengths 11, 4, 8, left-padded (or,
+    with ``padded=False``, three of length 11)."""
     gen = torch.Generator().manual_seed(seed)
     n = max(PROMPT_LENS)
     ids = torch.randint(1, VOCAB, (len(PROMPT_LENS), n), generator=gen)
+    if not padded:
+        return ids, torch.ones_like(ids)
     mask = torch.zeros(len(PROMPT_LENS), n, dtype=torch.long)
     for b, length in enumerate(PROMPT_LENS):
         mask[b, n - length:] = 1
@@ -64,9 +69,15 @@ def prompts(seed: int = 1):
     return ids, mask
 
 
+def cache_kwarg(model) -> str:
+    """The name under which the installed transformers takes a cache (``cache`` in newer releases,
+    ``past_key_values`` before)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def generate(model, ids, mask, cache=None, new_tokens=NEW_TOKENS, **kwargs):
     """Greedy ``generate`` -> (new tokens [B, N], per-step logits [N, B, V] float32)."""
-    extra = {} if cache is None else {"past_key_values": cache}
+    extra = {} if cache is None else {cache_kwarg(model): cache}
     with torch.no_grad():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
                              output_logits=True, return_dict_in_generate=True, pad_token_id=0, **extra, **kwargs)
@@ -74,8 +85,23 @@ def generate(model, ids, mask, cache=None, new_tokens=NEW_TOKENS, **kwargs):
 
 
 def reference(model, ids, mask, new_tokens=NEW_TOKENS):
-    """transformers' eager attention with a DynamicCache: (tokens, logits, smallest top-2 logit gap)."""
+    """transformers' eager attention with a DynamicCache: (tokens, logits, smallest top-2 logit gap, the
+    cache's ``get_seq_length()``)."""
     model.set_attn_implementation("eager")
-    tokens, logits = generate(model, ids, mask, new_tokens=new_tokens)
+    cache = transformers.DynamicCache(config=model.config)
+    tokens, logits = generate(model, ids, mask, cache, new_tokens=new_tokens)
     top2 = logits.topk(2, dim=-1).values
-    return tokens, logits, float((top2[..., 0] - top2[..., 1]).min())
+    return tokens, logits, float((top2[..., 0] - top2[..., 1]).min()), int(cache.get_seq_length())
+
+
+def forward_rows(model, ids, mask, cache, rows: int = 3, seed: int = 2):
+    """A prefill forward of the prompts, then one forward of ``rows`` more tokens per row on the same cache:
+    that forward's logits ``[B, rows, V]`` float32 (several query rows of a non-empty cache)."""
+    more = torch.randint(1, VOCAB, (ids.shape[0], rows), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, use_cache=True, **{cache_kwarg(model): cache})
+        full = torch.cat([mask, torch.ones_like(more)], dim=1)
+        positions = (full.cumsum(-1) - 1).clamp(min=0)[:, -rows:]
+        out = model(input_ids=more, attention_mask=full, position_ids=positions, use_cache=True,
+                    **{cache_kwarg(model): cache})
+    return out.logits.float()
