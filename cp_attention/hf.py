@@ -59,21 +59,19 @@ compiled generation (``generate()`` compiles the forward itself for a compileabl
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 from transformers import AttentionInterface, Cache
 from transformers.cache_utils import CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface
 
-from ._constants import FP8_DTYPES, FLOAT_DTYPES
+from ._constants import FLOAT_DTYPES, FP8_DTYPES
 from .decode import MAX_Q_ROWS, flash_decode
 from .distributed import merge_across_ranks
 from .quant import _amax_scale, quantize
 from .state import AttentionState, merge_states
 
-__all__ = ["CPCache", "cp_attention_forward", "cp_attention_mask", "IMPLEMENTATION"]
+__all__ = ["IMPLEMENTATION", "CPCache", "cp_attention_forward", "cp_attention_mask"]
 
 IMPLEMENTATION = "cp_attention"
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -707,7 +705,7 @@ def cp_attention_forward(module, query, key, value, attention_mask, scaling=None
     """
     layer = _ACTIVE.layer
     _ACTIVE.layer = None
-    b, hq, s, d = query.shape
+    s, d = query.shape[2], query.shape[3]
     if layer is not None and getattr(module, "layer_idx", layer.layer_idx) != layer.layer_idx:
         raise RuntimeError(f"cp_attention: layer {module.layer_idx} attends after the update of cache layer "
                            f"{layer.layer_idx} (one forward at a time per process)")
@@ -745,7 +743,7 @@ def cp_attention_forward(module, query, key, value, attention_mask, scaling=None
 
 def _decode(query, view, shard, first, window_left, scale, softcap, sinks):
     """One ``flash_decode`` on the shard (and one merge across the ranks) for ``S <= 16`` rows."""
-    b, hq, s, d = query.shape
+    b, s = query.shape[0], query.shape[2]
     k, v, seq_lens, block_table, layout, k_scale, v_scale = view.decode_args()
     limits, span, window = shard.decode_limits(first, window_left, s, b)
     q = query[:, :, 0] if s == 1 else query.transpose(1, 2)

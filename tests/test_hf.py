@@ -236,7 +236,7 @@ def test_bad_cache_arguments_rejected(kwargs, error, message):
 
 def _oracle(q, k, v, t0, first, window_left, scale, softcap=None):
     """float64 state of ``q [B, Hq, c, D]`` (global positions ``t0 + i``) over the whole cache ``k``/``v``."""
-    b, hq, c, _ = q.shape
+    b, c = q.shape[0], q.shape[2]
     t = t0 + torch.arange(c)
     lo = torch.zeros(b, c, dtype=torch.long) if first is None else first.long()[:, None].expand(b, c)
     if window_left is not None:
