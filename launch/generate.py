@@ -10,31 +10,34 @@ CPU (gloo; the Triton kernels run under the interpreter with ``TRITON_INTERPRET=
     torchrun --nproc-per-node=2 launch/generate.py --device cpu --model DIR --prompts PROMPTS.json --new-tokens 8
 
 ``DIR`` is a Hugging Face checkpoint (``config.json`` + ``*.safetensors``) of a Llama, Mistral, Qwen2 or Gemma
-2 model (``launch/llama.py``); ``--random-config llama3-8b`` builds seeded random weights instead.
+2 model (``launch/llama.py``; any model cp_attention.hf supports with ``--backend transformers``, below);
+``--random-config llama3-8b`` builds seeded random weights instead.
 ``PROMPTS.json`` is a JSON list of prompts, each a list of token ids or a string (ragged lengths); strings,
 and ``--prompt TEXT`` (repeatable) instead of a file, are tokenised with the checkpoint's tokenizer
 (``AutoTokenizer.from_pretrained(DIR)``) and the decoded new text is written to the output (``"text"``). All
 prompts decode as one batch, ``N`` new tokens each, greedily (no stop token).
 
-Two backends. ``--backend native`` (the default) runs the model of ``launch/llama.py`` with the prefill and
-decode step described here. ``--backend transformers`` runs the unmodified transformers model
-(``AutoModelForCausalLM.from_pretrained(DIR, attn_implementation="cp_attention")``, any architecture
-:mod:`cp_attention.hf` supports; ``--random-config`` builds the Llama config of those shapes with the native
-backend's random weights) through its own ``generate()`` with a :class:`cp_attention.hf.CPCache`, the prompts
-left-padded into one batch; ``--compile`` lets transformers compile the decode step (a preallocated cache:
-``torch.compile`` with CUDA graphs). Both give the same tokens on the same model. Every rank holds the weights; the KV cache of
-every layer is a :class:`cp_attention.distributed.CPKVCache` (position ``p`` on rank ``p % W``); each decode
-step appends the new token's K/V and runs ``CPKVCache.decode`` (⊕ across the ranks, bitwise identical on every
-rank, so every rank picks the same tokens: checked at the end). Rank 0 writes ``OUT.json``: ``{"tokens": [[new
-ids of prompt 0], ...], "prefill_s": ..., "decode_step_s": [...], "decode_tokens_per_s": ..., ...}``.
+Every rank holds the weights. With ``--backend native`` (the default) the model is ``launch/llama.py``'s and
+the KV cache of every layer is a :class:`cp_attention.distributed.CPKVCache` (position ``p`` on rank ``p %
+W``); each decode step appends the new token's K/V and runs ``CPKVCache.decode`` (⊕ across the ranks, bitwise
+identical on every rank, so every rank picks the same tokens: checked at the end). ``--backend transformers``
+runs the unmodified transformers model instead (``AutoModelForCausalLM.from_pretrained(DIR,
+attn_implementation="cp_attention")``: any architecture :mod:`cp_attention.hf` supports; ``--random-config``
+builds the transformers Llama config of those shapes with the native backend's random weights) through its
+own ``generate()`` with a :class:`cp_attention.hf.CPCache` preallocated for the run, the prompts left-padded
+into one batch; ``--compile`` lets transformers compile the decode step (``torch.compile``, CUDA graphs). Both
+backends give the same tokens on the same model. Rank 0 writes ``OUT.json``: ``{"tokens": [[new ids of
+prompt 0], ...], "text": [...] (text prompts), "backend": ..., "prefill_s": ..., "decode_step_s": [...],
+"decode_tokens_per_s": ..., ...}``; the transformers backend times each step between two of ``generate()``'s
+streamer calls and leaves its first steps (kernel compilation; with ``--compile``, the graph's compilation
+and capture) out of the rate, as ``decode_warmup_steps`` says.
 
 ``--fill-context T`` replaces the prompts' prefill by ``T`` positions of random K/V per sequence (each rank
 generates only its shard; with ``--backend transformers``, into every layer of the CPCache), then decodes
-from each prompt's last token: for timing long contexts only, the
-tokens mean nothing (the JSON says so). Several values (``--fill-context 32768 131072``) run one after the
-other with the same weights; ``OUT.json`` then holds ``{"runs": [one result per context]}``. Bad checkpoints
-(unsupported architecture, head dim outside the kernels' range, missing tensor) fail with a message before any
-process group is formed.
+from each prompt's last token: for timing long contexts only, the tokens mean nothing (the JSON says so).
+Several values (``--fill-context 32768 131072``) run one after the other with the same weights; ``OUT.json``
+then holds ``{"runs": [one result per context]}``. Bad checkpoints (unsupported architecture, head dim outside
+the kernels' range, missing tensor) fail with a message before any process group is formed.
 
 Note [Context-parallel prefill]
 -------------------------------

@@ -5,7 +5,9 @@ decoding of each prompt alone (no padding).
 Each case runs the script in a subprocess (``python -m torch.distributed.run --standalone``: its own
 processes, a free port, a timeout), with the Triton kernels under the interpreter (``interp``) or the
 library's torch path. The checkpoints use a large ``initializer_range`` so greedy choices are well separated
-(the reference's top-2 logit gap is checked); float32 tokens must then match exactly.
+(the reference's top-2 logit gap is checked); float32 tokens must then match exactly. The transformers
+backend (the transformers model through ``generate()`` with ``cp_attention.hf.CPCache``) must choose the
+native backend's tokens, from text prompts tokenised with a word-level tokenizer saved beside the checkpoint.
 """
 import importlib.util
 import json
