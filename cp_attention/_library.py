@@ -177,7 +177,7 @@ def flash_decode_op(q: Tensor, k: Tensor, v: Tensor, seq_lens: Optional[Tensor],
                     v_scale: Optional[Tensor], k_scale_float: Optional[float], v_scale_float: Optional[float],
                     sm_scale: Optional[float], num_splits: Optional[int], split_size: Optional[int], kv_layout: str,
                     window_left: Optional[int], logit_softcap: Optional[float], out: Optional[Tensor],
-                    out_lse: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+                    out_lse: Optional[Tensor], span: Optional[int] = None) -> tuple[Tensor, Tensor]:
     """:func:`cp_attention.flash_decode` with ``return_lse=True``; ``out``/``out_lse``: the caller's
     ``out=``, read for its dtype (``o`` comes in it) and checked, not written."""
     from .decode import flash_decode
@@ -188,13 +188,13 @@ def flash_decode_op(q: Tensor, k: Tensor, v: Tensor, seq_lens: Optional[Tensor],
         flash_decode(q, k, v, seq_lens, block_table=block_table, sm_scale=sm_scale, num_splits=num_splits,
                      kv_layout=kv_layout, split_size=split_size, k_scale=_scale(k_scale, k_scale_float),
                      v_scale=_scale(v_scale, v_scale_float), window_left=window_left, logit_softcap=logit_softcap,
-                     sinks=sinks, row_limits=row_limits, return_lse=True, out=AttentionState(o, lse))
+                     sinks=sinks, row_limits=row_limits, return_lse=True, out=AttentionState(o, lse), _span=span)
     return o, lse
 
 
 @flash_decode_op.register_fake
 def _(q, k, v, seq_lens, block_table, row_limits, sinks, k_scale, v_scale, k_scale_float, v_scale_float, sm_scale,
-      num_splits, split_size, kv_layout, window_left, logit_softcap, out, out_lse):
+      num_splits, split_size, kv_layout, window_left, logit_softcap, out, out_lse, span=None):
     from ._validate import check_decode_args, check_split_size
 
     sm_scale, num_splits, split_size, window_left, logit_softcap, k_scale_float, v_scale_float = map(
@@ -216,14 +216,14 @@ def flash_decode(q, k, v, seq_lens, block_table, sm_scale, num_splits, kv_layout
     if plan is not None:
         raise TypeError("plan is not supported under torch.compile (a DecodePlan is a Python object that the "
                         "cp_attention::flash_decode op cannot carry); leave it None")
-    if span is not None or export is not None:
-        raise TypeError("_span and _export are for the context-parallel code, which runs them eagerly")
+    if export is not None:
+        raise TypeError("_export is for the context-parallel code, which runs it eagerly")
     check_bool("return_lse", return_lse)
     out_o, out_lse = _split_out(out)
     ks, ksf = _split_scale(k_scale)
     vs, vsf = _split_scale(v_scale)
     o, lse = flash_decode_op(q, k, v, seq_lens, block_table, row_limits, sinks, ks, vs, ksf, vsf, sm_scale,
-                             num_splits, split_size, kv_layout, window_left, logit_softcap, out_o, out_lse)
+                             num_splits, split_size, kv_layout, window_left, logit_softcap, out_o, out_lse, span)
     return _copy_out(o, lse, out_o, out_lse, return_lse)
 
 

@@ -18,7 +18,7 @@ import torch
 from ._constants import FP8_DTYPES
 from ._validate import check_bool, check_inference, check_kv_layout, check_tensor
 
-__all__ = ["quantize_kv", "quantize", "dequantize"]
+__all__ = ["quantize_kv", "quantize", "dequantize", "amax_scale"]
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, head_dim: int) -> torch.Tensor:
@@ -50,7 +50,9 @@ def dequantize(k: torch.Tensor, v: torch.Tensor, k_scale, v_scale, kv_layout: st
     return tuple(out)
 
 
-def _amax_scale(x: torch.Tensor, dtype: torch.dtype, head_dim: int | None) -> torch.Tensor:
+def amax_scale(x: torch.Tensor, dtype: torch.dtype, head_dim: int | None) -> torch.Tensor:
+    """The amax scale of ``x`` in FP8 ``dtype`` (Note [FP8 KV caches]): ``amax(|x|) / fp8_max`` over the finite
+    values, per tensor (0-d; ``head_dim`` None) or per index of dim ``head_dim``; 1 where the amax is 0."""
     finite = torch.where(torch.isfinite(x), x.float().abs(), torch.zeros((), device=x.device))
     if head_dim is None:
         amax = finite.amax()
@@ -93,7 +95,7 @@ def quantize_kv(k, v, dtype=torch.float8_e4m3fn, *, per_head=False, kv_layout="H
     head_dim = 1 if kv_layout == "HND" else 2
     out = []
     for x in (k, v):
-        scale = _amax_scale(x, dtype, head_dim if per_head else None)
+        scale = amax_scale(x, dtype, head_dim if per_head else None)
         out.append((quantize(x, scale, dtype, head_dim), scale))
     (k8, k_scale), (v8, v_scale) = out
     return k8, v8, k_scale, v_scale

@@ -10,20 +10,34 @@ CPU (gloo; the Triton kernels run under the interpreter with ``TRITON_INTERPRET=
     torchrun --nproc-per-node=2 launch/generate.py --device cpu --model DIR --prompts PROMPTS.json --new-tokens 8
 
 ``DIR`` is a Hugging Face checkpoint (``config.json`` + ``*.safetensors``) of a Llama, Mistral, Qwen2 or Gemma
-2 model (``launch/llama.py``); ``--random-config llama3-8b`` builds seeded random weights instead.
-``PROMPTS.json`` is a JSON list of prompts, each a list of token ids (ragged lengths); all prompts decode as
-one batch, ``N`` new tokens each, greedily (no stop token). Every rank holds the weights; the KV cache of
-every layer is a :class:`cp_attention.distributed.CPKVCache` (position ``p`` on rank ``p % W``); each decode
-step appends the new token's K/V and runs ``CPKVCache.decode`` (⊕ across the ranks, bitwise identical on every
-rank, so every rank picks the same tokens: checked at the end). Rank 0 writes ``OUT.json``: ``{"tokens": [[new
-ids of prompt 0], ...], "prefill_s": ..., "decode_step_s": [...], "decode_tokens_per_s": ..., ...}``.
+2 model (``launch/llama.py``; any model cp_attention.hf supports with ``--backend transformers``, below);
+``--random-config llama3-8b`` builds seeded random weights instead.
+``PROMPTS.json`` is a JSON list of prompts, each a list of token ids or a string (ragged lengths); strings,
+and ``--prompt TEXT`` (repeatable) instead of a file, are tokenised with the checkpoint's tokenizer
+(``AutoTokenizer.from_pretrained(DIR)``) and the decoded new text is written to the output (``"text"``). All
+prompts decode as one batch, ``N`` new tokens each, greedily (no stop token).
+
+Every rank holds the weights. With ``--backend native`` (the default) the model is ``launch/llama.py``'s and
+the KV cache of every layer is a :class:`cp_attention.distributed.CPKVCache` (position ``p`` on rank ``p %
+W``); each decode step appends the new token's K/V and runs ``CPKVCache.decode`` (⊕ across the ranks, bitwise
+identical on every rank, so every rank picks the same tokens: checked at the end). ``--backend transformers``
+runs the unmodified transformers model instead (``AutoModelForCausalLM.from_pretrained(DIR,
+attn_implementation="cp_attention")``: any architecture :mod:`cp_attention.hf` supports; ``--random-config``
+builds the transformers Llama config of those shapes with the native backend's random weights) through its
+own ``generate()`` with a :class:`cp_attention.hf.CPCache` preallocated for the run, the prompts left-padded
+into one batch; ``--compile`` lets transformers compile the decode step (``torch.compile``, CUDA graphs). Both
+backends give the same tokens on the same model. Rank 0 writes ``OUT.json``: ``{"tokens": [[new ids of
+prompt 0], ...], "text": [...] (text prompts), "backend": ..., "prefill_s": ..., "decode_step_s": [...],
+"decode_tokens_per_s": ..., ...}``; the transformers backend times each step between two of ``generate()``'s
+streamer calls and leaves its first steps (kernel compilation; with ``--compile``, the graph's compilation
+and capture) out of the rate, as ``decode_warmup_steps`` says.
 
 ``--fill-context T`` replaces the prompts' prefill by ``T`` positions of random K/V per sequence (each rank
-generates only its shard), then decodes from each prompt's last token: for timing long contexts only, the
-tokens mean nothing (the JSON says so). Several values (``--fill-context 32768 131072``) run one after the
-other with the same weights; ``OUT.json`` then holds ``{"runs": [one result per context]}``. Bad checkpoints
-(unsupported architecture, head dim outside the kernels' range, missing tensor) fail with a message before any
-process group is formed.
+generates only its shard; with ``--backend transformers``, into every layer of the CPCache), then decodes
+from each prompt's last token: for timing long contexts only, the tokens mean nothing (the JSON says so).
+Several values (``--fill-context 32768 131072``) run one after the other with the same weights; ``OUT.json``
+then holds ``{"runs": [one result per context]}``. Bad checkpoints (unsupported architecture, head dim outside
+the kernels' range, missing tensor) fail with a message before any process group is formed.
 
 Note [Context-parallel prefill]
 -------------------------------
@@ -68,6 +82,7 @@ sequence, so the merge is the exact causal attention.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -99,7 +114,13 @@ def parse_args(argv=None):
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", type=Path, help="Hugging Face checkpoint directory (config.json + *.safetensors)")
     src.add_argument("--random-config", choices=sorted(CONFIGS), help="seeded random weights of these shapes")
-    p.add_argument("--prompts", type=Path, required=True, help="JSON list of prompts, each a list of token ids")
+    prompts = p.add_mutually_exclusive_group(required=True)
+    prompts.add_argument("--prompts", type=Path, help="JSON list of prompts, each a list of token ids or a string")
+    prompts.add_argument("--prompt", action="append", metavar="TEXT", help="a text prompt (repeatable)")
+    p.add_argument("--backend", choices=("native", "transformers"), default="native",
+                   help="native: launch/llama.py's model; transformers: the transformers model with CPCache")
+    p.add_argument("--compile", action="store_true",
+                   help="transformers backend: transformers' compiled generation (preallocated CPCache, CUDA graphs)")
     p.add_argument("--new-tokens", type=int, required=True, help="tokens generated per prompt (greedy)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on cuda, float32 on cpu")
@@ -121,6 +142,16 @@ def parse_args(argv=None):
         p.error("--new-tokens must be >= 1")
     if args.fill_context is not None and min(args.fill_context) < 1:
         p.error("--fill-context must be >= 1")
+    if args.backend == "transformers":
+        if args.cuda_graph:
+            p.error("--cuda-graph is the native backend's: the transformers backend captures with --compile")
+        if args.prefill_runs != 1 or args.profile_steps:
+            p.error("--prefill-runs and --profile-steps are the native backend's")
+        args.cuda_graph = False
+    elif args.compile:
+        p.error("--compile is the transformers backend's (the native backend captures with --cuda-graph)")
+    if args.compile and args.device != "cuda":
+        p.error("--compile needs --device cuda (transformers compiles generation on CUDA devices)")
     if args.cuda_graph is None:
         args.cuda_graph = args.device == "cuda"
     if args.cuda_graph and args.device != "cuda":
@@ -134,15 +165,27 @@ def parse_args(argv=None):
     return args
 
 
-def load_prompts(path: Path, vocab_size: int) -> list:
-    """The prompts of ``path``: a non-empty JSON list of non-empty lists of token ids in ``[0, vocab_size)``."""
-    prompts = json.loads(path.read_text())
+def load_prompts(path: Path | None, vocab_size: int, texts=None, model_dir: Path | None = None):
+    """``(prompts, tokenizer)``: the prompts of ``path`` (a non-empty JSON list of non-empty lists of token ids in
+    ``[0, vocab_size)``, or of strings) or the strings ``texts``, as lists of token ids; strings are tokenised with
+    ``model_dir``'s tokenizer (returned, else ``None``)."""
+    where = "--prompt" if path is None else str(path)
+    prompts = texts if path is None else json.loads(path.read_text())
     if not isinstance(prompts, list) or not prompts:
-        raise ValueError(f"{path} must hold a non-empty JSON list of prompts")
+        raise ValueError(f"{where} must hold a non-empty JSON list of prompts")
+    tokenizer = None
+    if all(isinstance(p, str) for p in prompts):
+        if model_dir is None:
+            raise ValueError(f"text prompts ({where}) need --model DIR with a tokenizer")
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        prompts = [tokenizer(p, add_special_tokens=True)["input_ids"] for p in prompts]
     for i, p in enumerate(prompts):
         if not isinstance(p, list) or not p or not all(isinstance(t, int) and 0 <= t < vocab_size for t in p):
-            raise ValueError(f"prompt {i} of {path} must be a non-empty list of token ids in [0, {vocab_size})")
-    return prompts
+            raise ValueError(f"prompt {i} of {where} must be a non-empty list of token ids in [0, {vocab_size}) "
+                             f"or a non-empty string")
+    return prompts, tokenizer
 
 
 def sync(device: torch.device) -> None:
@@ -368,7 +411,7 @@ def run(args, model, prompts, device, fill_context=None) -> dict:
     result = {"world_size": world, "device": device.type, "dtype": str(args.dtype).replace("torch.", ""),
               "model": args.random_config or str(args.model), "batch": b,
               "prompt_lens": [len(p) for p in prompts], "new_tokens": args.new_tokens,
-              "cuda_graph": args.cuda_graph}
+              "backend": "native", "cuda_graph": args.cuda_graph}
     if fill_context is None:
         runs = []
         for _ in range(args.prefill_runs):
@@ -392,12 +435,7 @@ def run(args, model, prompts, device, fill_context=None) -> dict:
         steps, generated = args.new_tokens, []
     new, times, warmup, prof = decode(model, caches, first, steps, args, device)
     tokens = torch.cat(generated + [new], 1)  # [B, N]
-    everyone = all_gather(tokens)
-    for r in range(world):
-        if not torch.equal(everyone[r], everyone[0]):
-            b_bad, s_bad = (everyone[r] != everyone[0]).nonzero()[0].tolist()
-            raise RuntimeError(f"rank {r} chose token {int(everyone[r][b_bad, s_bad])} for sequence {b_bad} step "
-                               f"{s_bad}, rank 0 chose {int(everyone[0][b_bad, s_bad])}: the ranks disagree")
+    check_ranks_agree(tokens)
     timed = times[warmup: steps - args.profile_steps]
     result.update(tokens=tokens.cpu().tolist(), decode_step_s=times, decode_warmup_steps=warmup,
                   decode_profiled_steps=args.profile_steps,
@@ -408,26 +446,181 @@ def run(args, model, prompts, device, fill_context=None) -> dict:
     return result
 
 
+def check_ranks_agree(tokens: torch.Tensor) -> None:
+    """Every rank chose the same tokens ``[B, N]`` (else ``RuntimeError`` naming the first difference)."""
+    everyone = all_gather(tokens)
+    for r in range(everyone.shape[0]):
+        if not torch.equal(everyone[r], everyone[0]):
+            b_bad, s_bad = (everyone[r] != everyone[0]).nonzero()[0].tolist()
+            raise RuntimeError(f"rank {r} chose token {int(everyone[r][b_bad, s_bad])} for sequence {b_bad} step "
+                               f"{s_bad}, rank 0 chose {int(everyone[0][b_bad, s_bad])}: the ranks disagree")
+
+
+# ------------------------------------------------------------------------------------------------------
+# The transformers backend: the unmodified transformers model, generate() and a CPCache
+
+HF_WARMUP_STEPS = 2  # eager decode steps left out of the timing (kernel compilation), 4 with --compile
+
+
+def hf_config(margs):
+    """The transformers ``LlamaConfig`` of ``launch/llama.py``'s Llama shapes (``--random-config``)."""
+    import transformers
+
+    if margs.windows or margs.gemma_norms or margs.qkv_bias:
+        raise ValueError("--random-config with --backend transformers builds Llama configs only")
+    rope = {"rope_type": "llama3" if margs.rope_scaling else "default", "rope_theta": margs.rope_theta,
+            **(margs.rope_scaling or {})}
+    return transformers.LlamaConfig(
+        vocab_size=margs.vocab_size, hidden_size=margs.dim, num_hidden_layers=margs.n_layers,
+        num_attention_heads=margs.n_heads, num_key_value_heads=margs.n_kv_heads, head_dim=margs.head_dim,
+        intermediate_size=margs.intermediate_size, rms_norm_eps=margs.norm_eps, rope_parameters=rope,
+        tie_word_embeddings=margs.tie_embeddings, max_position_embeddings=1 << 21, bos_token_id=None,
+        eos_token_id=None, pad_token_id=None)
+
+
+def hf_model(args, margs, device):
+    """The transformers model with ``attn_implementation="cp_attention"``: the checkpoint, or the Llama config of
+    ``margs`` with the native backend's random weights (the same generator draws in the same parameter order)."""
+    import transformers
+
+    import cp_attention.hf  # noqa: F401  (registers "cp_attention")
+
+    if margs is None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="cp_attention",
+                                                                  dtype=args.dtype)
+        return model.to(device).eval()
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config(margs), attn_implementation="cp_attention",
+                                                              dtype=args.dtype)
+    gen = torch.Generator(device).manual_seed(args.seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    return model.eval()
+
+
+class _StepTimer:
+    """A ``generate()`` streamer that timestamps every step: ``put`` gets the prompt, then each step's new
+    tokens (after the device has made them)."""
+
+    def __init__(self, device):
+        self.device, self.times = device, []
+
+    def put(self, value):
+        sync(self.device)
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def run_transformers(args, model, prompts, device, fill_context=None) -> dict:
+    """``generate()`` of the left-padded prompts (or of ``fill_context`` random positions) with a CPCache; the
+    result dict of :func:`run`."""
+    from cp_attention.hf import CPCache
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = model.config.get_text_config()
+    b, pad = len(prompts), cfg.pad_token_id if isinstance(cfg.pad_token_id, int) else 0
+    context = fill_context or max(len(p) for p in prompts)
+    cache = CPCache(model.config, max_cache_len=context + args.new_tokens)
+    result = {"world_size": world, "device": device.type, "dtype": str(args.dtype).replace("torch.", ""),
+              "model": args.random_config or str(args.model), "batch": b,
+              "prompt_lens": [len(p) for p in prompts], "new_tokens": args.new_tokens,
+              "backend": "transformers", "compile": args.compile, "cuda_graph": args.compile}
+    if fill_context is None:
+        ids = torch.full((b, context), pad, dtype=torch.int64)
+        mask = torch.zeros(b, context, dtype=torch.int64)
+        for i, p in enumerate(prompts):  # left padding
+            ids[i, context - len(p):] = torch.tensor(p)
+            mask[i, context - len(p):] = 1
+    else:
+        hkv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        cache.early_initialization(b, hkv, head_dim, args.dtype, device)
+        for i, layer in enumerate(cache.layers):  # as fill_synthetic: each rank generates only its shard
+            gen = torch.Generator(device).manual_seed(args.seed + 1000 * (i + 1) + rank)
+            owned = -(-(fill_context - rank) // world)
+            layer.keys[:, :, :owned].normal_(generator=gen)
+            layer.values[:, :, :owned].normal_(generator=gen)
+        cache.set_seq_length(fill_context)
+        # The cached positions' ids are never read: generate() feeds only the ids past the cache's length.
+        ids = torch.zeros(b, fill_context + 1, dtype=torch.int64)
+        ids[:, -1] = torch.tensor([p[-1] for p in prompts])
+        mask = torch.ones_like(ids)
+        result["synthetic_context"] = fill_context
+        result["note"] = ("--fill-context: each sequence's context is random K/V, not the prompt; for timing only, "
+                          "the tokens are not meaningful")
+    timer = _StepTimer(device)
+    model.generation_config.eos_token_id = None  # no stop token: N new tokens each
+    dist.barrier()
+    # newer transformers name the argument cache (past_key_values is deprecated there)
+    takes_cache = "cache" in inspect.signature(model.forward).parameters
+    out = model.generate(ids.to(device), attention_mask=mask.to(device), **{"cache" if takes_cache else
+                                                                            "past_key_values": cache},
+                         max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=pad, streamer=timer,
+                         return_dict_in_generate=True, output_logits=args.logits, disable_compile=not args.compile)
+    tokens = out.sequences[:, ids.shape[1]:]
+    check_ranks_agree(tokens)
+    steps = [t1 - t0 for t0, t1 in zip(timer.times, timer.times[1:])]  # forward by forward
+    if fill_context is None:
+        result.update(prefill_s=steps[0], prefill_tokens_per_s=sum(result["prompt_lens"]) / steps[0])
+        if args.logits:
+            result["prefill_logits"] = out.logits[0].float().cpu().tolist()
+        steps = steps[1:]
+    warmup = min(len(steps), 2 * HF_WARMUP_STEPS if args.compile else HF_WARMUP_STEPS)
+    timed = steps[warmup:]
+    result.update(tokens=tokens.cpu().tolist(), decode_step_s=steps, decode_warmup_steps=warmup,
+                  decode_step_median_s=statistics.median(timed) if timed else None,
+                  decode_tokens_per_s=b * len(timed) / sum(timed) if timed else None)
+    return result
+
+
+# ------------------------------------------------------------------------------------------------------
+
+
 def main(argv=None):
     args = parse_args(argv)
     try:  # every rank checks the same inputs: a bad one stops them all before any collective
         if args.random_config:
             margs, files = CONFIGS[args.random_config], None
+            vocab = margs.vocab_size
+            if args.backend == "transformers":
+                hf_config(margs)
+        elif args.backend == "transformers":  # any architecture cp_attention.hf takes
+            import transformers
+
+            from cp_attention.hf import CPCache
+
+            config = transformers.AutoConfig.from_pretrained(args.model)
+            CPCache(config)  # an unsupported one fails here, naming what it lacks
+            margs, files, vocab = None, None, config.get_text_config().vocab_size
         else:
             margs, files = inspect_checkpoint(args.model)
-        prompts = load_prompts(args.prompts, margs.vocab_size)
+            vocab = margs.vocab_size
+        prompts, tokenizer = load_prompts(args.prompts, vocab, args.prompt, args.model)
     except (CheckpointError, ValueError, OSError) as exc:
         raise SystemExit(f"generate.py: error: {exc}") from None
     device = init_distributed(args.device, args.timeout_s)
     try:
-        with torch.inference_mode():
-            if files is None:
-                model = random_model(margs, device, args.dtype, args.seed)
+        # transformers' compiled generation needs autograd's bookkeeping off, not inference tensors
+        with torch.inference_mode() if args.backend == "native" else torch.no_grad():
+            if args.backend == "transformers":
+                model, runner = hf_model(args, margs, device), run_transformers
+            elif files is None:
+                model, runner = random_model(margs, device, args.dtype, args.seed), run
             else:
-                model = load_checkpoint(margs, files, device, args.dtype)
+                model, runner = load_checkpoint(margs, files, device, args.dtype), run
             results = []
             for fill in args.fill_context or [None]:
-                results.append(run(args, model, prompts, device, fill))
+                results.append(runner(args, model, prompts, device, fill))
+                if tokenizer is not None:
+                    results[-1]["text"] = [tokenizer.decode(t) for t in results[-1]["tokens"]]
                 if device.type == "cuda":
                     torch.cuda.empty_cache()  # the last run's caches and graph
         if dist.get_rank() == 0:

@@ -5,7 +5,9 @@ decoding of each prompt alone (no padding).
 Each case runs the script in a subprocess (``python -m torch.distributed.run --standalone``: its own
 processes, a free port, a timeout), with the Triton kernels under the interpreter (``interp``) or the
 library's torch path. The checkpoints use a large ``initializer_range`` so greedy choices are well separated
-(the reference's top-2 logit gap is checked); float32 tokens must then match exactly.
+(the reference's top-2 logit gap is checked); float32 tokens must then match exactly. The transformers
+backend (the transformers model through ``generate()`` with ``cp_attention.hf.CPCache``) must choose the
+native backend's tokens, from text prompts tokenised with a word-level tokenizer saved beside the checkpoint.
 """
 import importlib.util
 import json
@@ -312,3 +314,77 @@ def test_cuda_tokens_match_transformers(tmp_path):
                                  world, device="cuda", new_tokens=new_tokens)
         assert proc.returncode == 0, proc.stderr[-5000:]
         assert out["cuda_graph"] and out["tokens"] == ref_tokens, f"W={world}"
+
+
+# ------------------------------------------------------------------------------------------------------
+# The transformers backend (the unmodified transformers model, generate() and cp_attention.hf.CPCache)
+
+
+def write_tokenizer(path, vocab_size: int = 256):
+    """A word-level tokenizer saved into the checkpoint ``path``: word ``t<i>`` is token ``i``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", pad_token="t0").save_pretrained(path)
+
+
+TEXT_PROMPTS = [PROMPTS[0], PROMPTS[3]]  # 13 and 6 tokens: a left-padded batch for the transformers backend
+
+
+@pytest.fixture(scope="module")
+def text_checkpoint(tmp_path_factory):
+    """A tiny Llama checkpoint with a tokenizer, its reference tokens of TEXT_PROMPTS and the prompts file."""
+    root = tmp_path_factory.mktemp("text")
+    model = write_checkpoint(root / "ckpt", "llama-tied")
+    write_tokenizer(root / "ckpt")
+    tokens, _, margin = reference(model, TEXT_PROMPTS, NEW_TOKENS)
+    assert margin > MIN_MARGIN
+    prompts = root / "prompts.json"
+    prompts.write_text(json.dumps([" ".join(f"t{t}" for t in p) for p in TEXT_PROMPTS]))
+    return root / "ckpt", tokens, prompts
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_backends_agree_on_text_prompts(tmp_path, text_checkpoint, world):
+    """Text prompts (a file of strings, or --prompt) tokenised with the checkpoint's tokenizer: the native and
+    the transformers backend choose transformers' tokens and write the same decoded text."""
+    ckpt, ref_tokens, prompts = text_checkpoint
+    texts = json.loads(prompts.read_text())
+    outs = {}
+    for backend, source in (("native", ["--prompts", prompts]),
+                            ("transformers", [arg for t in texts for arg in ("--prompt", t)])):
+        proc, out = run_generate(tmp_path, ["--model", ckpt, *source, "--backend", backend, "--logits"], world,
+                                 interpret=world == 2)
+        assert proc.returncode == 0, proc.stderr[-5000:]
+        assert out["backend"] == backend and out["tokens"] == ref_tokens, backend
+        outs[backend] = out
+    assert outs["native"]["text"] == outs["transformers"]["text"] == [" ".join(f"t{t}" for t in toks)
+                                                                      for toks in ref_tokens]
+    torch.testing.assert_close(torch.tensor(outs["transformers"]["prefill_logits"]),
+                               torch.tensor(outs["native"]["prefill_logits"]), atol=5e-4, rtol=1e-5)
+
+
+def test_transformers_backend_fill_context_equals_native(tmp_path):
+    """--fill-context on the transformers backend fills every CPCache layer with the native backend's random
+    K/V: with --random-config (the same random weights) both choose the same tokens, and report tokens/s."""
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([[1], [5, 6]]))
+    outs = []
+    for backend in ("native", "transformers"):
+        proc, out = run_generate(tmp_path, ["--random-config", "tiny", "--prompts", prompts, "--fill-context", 37,
+                                            "--backend", backend], world=2)
+        assert proc.returncode == 0, proc.stderr[-5000:]
+        assert out["synthetic_context"] == 37 and out["decode_tokens_per_s"] > 0
+        assert len(out["decode_step_s"]) == NEW_TOKENS
+        outs.append(out)
+    assert outs[0]["tokens"] == outs[1]["tokens"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--random-config", "tiny", "--prompt", "t1 t2"], "text prompts (--prompt) need --model DIR with a tokenizer"),
+    (["--random-config", "tiny", "--prompt", "t1", "--compile"], "--compile is the transformers backend's"),
+])
+def test_bad_text_or_backend_arguments_fail_clearly(tmp_path, args, message):
+    proc, out = run_generate(tmp_path, args, world=1)
+    assert proc.returncode != 0 and out is None and message in proc.stderr

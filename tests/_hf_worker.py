@@ -1,0 +1,51 @@
+"""One rank of the ``cp_attention.hf`` context-parallel tests, started by ``tests/test_hf.py`` with
+``python -m torch.distributed.run --nproc-per-node=W``: for every case of ``CASES.json`` (architecture and
+CPCache options; ``padded``: false for prompts of one length; ``rows``: several query rows on a
+non-empty cache instead of ``generate``) it builds the tiny seeded model, generates with a CPCache over the gloo group and saves
+``{case id: (tokens, logits, get_seq_length())}`` to ``OUT_DIR/rank<r>.pt``.
+
+    python -m torch.distributed.run --standalone --nproc-per-node=2 tests/_hf_worker.py CASES.json OUT_DIR
+"""
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+import cp_attention.hf as cph  # noqa: E402
+from _hf_models import forward_rows, generate, prompts, tiny_model  # noqa: E402
+
+DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2, "bfloat16": torch.bfloat16}
+
+
+def main():
+    cases, out_dir = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
+    dist.init_process_group("gloo")
+    results = {}
+    try:
+        for case in cases:
+            model = tiny_model(case["arch"])
+            model.set_attn_implementation("cp_attention")
+            kwargs = dict(case.get("cache", {}))
+            if "dtype" in kwargs:
+                kwargs["dtype"] = DTYPES[kwargs["dtype"]]
+            cache = cph.CPCache(model.config, **kwargs)
+            assert cache.world_size == dist.get_world_size() and cache.rank == dist.get_rank()
+            ids, mask = prompts(padded=case.get("padded", True))
+            if case.get("rows"):
+                tokens, logits = None, forward_rows(model, ids, mask, cache, case["rows"])
+            else:
+                tokens, logits = generate(model, ids, mask, cache)
+            results[case["id"]] = (tokens, logits, int(cache.get_seq_length()))
+        torch.save(results, out_dir / f"rank{dist.get_rank()}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

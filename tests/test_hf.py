@@ -1,0 +1,421 @@
+"""``cp_attention.hf``: unmodified transformers models decode through ``generate()`` with a :class:`CPCache`.
+
+Tiny random float32 models of every supported architecture (``tests/_hf_models.py``), a left-padded batch of
+three prompts, greedy: tokens and per-step logits equal transformers' eager attention with a ``DynamicCache``.
+W = 1 runs in this process, with the Triton kernels under the interpreter (``interp``) and on the library's
+torch path (``torch``); W = 2 (interpreter) and W = 3 (torch path) run every case in one ``torchrun``
+launch each (``tests/_hf_worker.py``, gloo), whose ranks must agree bitwise.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+import cp_attention.hf as cph
+from cp_attention.reference import attention
+from tests._hf_models import ARCHS, cache_kwarg, forward_rows, generate, prompts, reference, tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "_hf_worker.py"
+TIMEOUT_S = 300
+LOGIT_TOL = dict(atol=2e-4, rtol=1e-5)  # float32 logits of magnitude ~10-30, summed in another order
+# FP8 shards: e4m3 keeps 3 mantissa bits (e5m2 2), a relative error up to 2^-4 (2^-3) per element; the
+# logits then move by a few percent of their range.
+FP8_TOL = {"float8_e4m3fn": 0.05, "float8_e5m2": 0.1}
+
+
+@pytest.fixture(scope="module")
+def refs():
+    """arch (and prompt kind) -> (tokens, logits, top-2 gap, DynamicCache length), computed on first use."""
+    done = {}
+
+    def get(arch, padded=True, rows=None, init=0.5):
+        key = (arch, padded, rows, init)
+        if key not in done:
+            model = tiny_model(arch, initializer_range=init)
+            ids, mask = prompts(padded=padded)
+            if rows:
+                done[key] = forward_rows(model, ids, mask, transformers.DynamicCache(config=model.config), rows)
+            else:
+                done[key] = reference(model, ids, mask)
+                assert done[key][2] > 1e-3, f"{arch}: greedy choices too close for an exact comparison"
+        return done[key]
+
+    return get
+
+
+def _cp_generate(arch, padded=True, init=0.5, **cache_kwargs):
+    model = tiny_model(arch, initializer_range=init)
+    model.set_attn_implementation("cp_attention")
+    cache = cph.CPCache(model.config, **cache_kwargs)
+    ids, mask = prompts(padded=padded)
+    tokens, logits = generate(model, ids, mask, cache)
+    return tokens, logits, cache
+
+
+# ------------------------------------------------------------------------------------------------------
+# One process
+
+
+@pytest.mark.parametrize("path", ["interp", "torch"])
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_generate_matches_eager_W1(refs, monkeypatch, arch, path):
+    if path == "torch":  # CPU tensors take the torch path when the interpreter is off (read at each call)
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    ref_tokens, ref_logits, _, ref_len = refs(arch)
+    tokens, logits, cache = _cp_generate(arch)
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, **LOGIT_TOL)
+    assert cache.get_seq_length() == ref_len and not cache.is_compileable and cache.get_max_length() == -1
+
+
+VARIANTS = [
+    pytest.param("mistral-window5", {"max_cache_len": 20}, id="mistral-window5-static"),
+    pytest.param("gemma2-softcap-window5", {"max_cache_len": 17}, id="gemma2-static-exact-fit"),
+    pytest.param("llama", {"page_size": 3}, id="llama-paged3"),
+    pytest.param("gpt-oss-sinks-window5", {"page_size": 4, "max_cache_len": 19}, id="gpt-oss-static-paged4"),
+    pytest.param("qwen3", {"page_size": 1}, id="qwen3-paged1"),
+]
+
+
+@pytest.mark.parametrize("arch, cache_kwargs", VARIANTS)
+def test_cache_variants_match_eager(refs, arch, cache_kwargs):
+    ref_tokens, ref_logits, _, ref_len = refs(arch)
+    tokens, logits, cache = _cp_generate(arch, **cache_kwargs)
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, **LOGIT_TOL)
+    assert int(cache.get_seq_length()) == ref_len
+    static = "max_cache_len" in cache_kwargs
+    assert cache.is_compileable == static
+    assert cache.get_max_length() == (cache_kwargs["max_cache_len"] if static else -1)
+    layer = cache.layers[0]
+    if "page_size" in cache_kwargs:
+        assert layer.keys.shape[1] == cache_kwargs["page_size"] and layer.block_table.dtype == torch.int32
+    else:
+        assert layer.block_table is None and layer.keys.shape[:2] == (3, 2)
+
+
+@pytest.mark.parametrize("arch, fp8, cache_kwargs", [
+    pytest.param("gemma2-softcap-window5", "float8_e4m3fn", {}, id="gemma2-e4m3"),
+    pytest.param("llama", "float8_e5m2", {"page_size": 4, "max_cache_len": 20}, id="llama-e5m2-static-paged4"),
+])
+def test_fp8_shards_match_eager_loosely(refs, arch, fp8, cache_kwargs):
+    """FP8 shards: per-KV-head scales from the prefill's amax; logits within a few percent of their range
+    (weights of std 0.1: the large scores of std 0.5 turn FP8's rounding of K into larger logit errors)."""
+    ref_tokens, ref_logits, _, ref_len = refs(arch, init=0.1)
+    tokens, logits, cache = _cp_generate(arch, init=0.1, dtype=getattr(torch, fp8), **cache_kwargs)
+    layer = cache.layers[1]
+    assert layer.keys.dtype == getattr(torch, fp8) and layer.k_scale.shape == (2,)
+    # the first step (the prefill's logits) is compared whatever the later tokens do
+    tol = FP8_TOL[fp8] * float(ref_logits.abs().max())
+    torch.testing.assert_close(logits[0], ref_logits[0], atol=tol, rtol=0)
+    if torch.equal(tokens, ref_tokens):
+        torch.testing.assert_close(logits, ref_logits, atol=tol, rtol=0)
+    assert int(cache.get_seq_length()) == ref_len
+
+
+@pytest.mark.parametrize("arch, padded", [("llama", True), ("gpt-oss-sinks-window5", False)])
+def test_several_query_rows_on_a_filled_cache(refs, arch, padded):
+    """A forward of 3 tokens on a non-empty cache (the multi-row decode path) equals the DynamicCache's."""
+    model = tiny_model(arch)
+    model.set_attn_implementation("cp_attention")
+    ids, mask = prompts(padded=padded)
+    got = forward_rows(model, ids, mask, cph.CPCache(model.config), 3)
+    torch.testing.assert_close(got, refs(arch, padded, 3), **LOGIT_TOL)
+
+
+def test_unpadded_prompts_take_the_flash_prefill(refs, monkeypatch):
+    """Prompts without padding, window or softcap prefill with FlashAttention calls (no masked chunks)."""
+    calls = []
+    real = cph._masked_chunk
+    monkeypatch.setattr(cph, "_masked_chunk", lambda *a: calls.append(1) or real(*a))
+    ref_tokens, ref_logits, _, _ = refs("llama", False)
+    tokens, logits, _ = _cp_generate("llama", padded=False)
+    assert torch.equal(tokens, ref_tokens) and not calls
+    torch.testing.assert_close(logits, ref_logits, **LOGIT_TOL)
+
+
+def test_plain_forward_without_cache():
+    """Without a cache (``use_cache=False``) the function attends the queries' own keys on one process."""
+    model = tiny_model("gemma2-softcap-window5")
+    ids, mask = prompts()
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        model.set_attn_implementation("cp_attention")
+        got = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    real = mask.bool()[:, :, None].expand_as(ref)  # padding positions differ (eager attends them uniformly)
+    torch.testing.assert_close(got[real], ref[real], **LOGIT_TOL)
+
+
+def test_generate_without_cpcache_fails_clearly():
+    model = tiny_model("llama")
+    model.set_attn_implementation("cp_attention")
+    ids, mask = prompts()
+    with pytest.raises(ValueError, match="pass past_key_values=cp_attention.hf.CPCache"):
+        generate(model, ids, mask)
+
+
+def test_right_padding_is_refused():
+    model = tiny_model("llama")
+    model.set_attn_implementation("cp_attention")
+    ids, mask = prompts()
+    with pytest.raises(ValueError, match="must be left padding"):
+        generate(model, ids, mask.flip(1), cph.CPCache(model.config))
+
+
+def test_mask_function_gives_first_positions():
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1], [0, 0, 0, 1]]).bool()
+    first = cph.cp_attention_mask(3, 4, 4, attention_mask=mask)
+    assert first.shape == (3, 1, 1, 1) and first.flatten().tolist() == [2, 0, 3]
+    assert cph.cp_attention_mask(3, 4, 4, attention_mask=torch.ones(3, 4, dtype=torch.bool)) is None
+    assert cph.cp_attention_mask(3, 1, 5, attention_mask=None) is None
+
+
+def test_import_registers_without_transformers_in_the_core():
+    code = ("import sys, cp_attention, cp_attention.distributed; assert 'transformers' not in sys.modules; "
+            "import cp_attention.hf; from transformers import AttentionInterface; "
+            "from transformers.masking_utils import AttentionMaskInterface; "
+            "assert 'cp_attention' in AttentionInterface._global_mapping; "
+            "assert 'cp_attention' in AttentionMaskInterface._global_mapping")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
+
+
+def _bad(kind):
+    llama = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+    if kind == "head-dim-20":
+        return transformers.LlamaConfig(**llama, head_dim=20)
+    if kind == "head-dim-264":
+        return transformers.LlamaConfig(**llama, head_dim=264)
+    if kind == "encoder-decoder":
+        return transformers.T5Config(d_model=64, num_heads=4, d_kv=32)
+    if kind == "alibi":
+        return transformers.BloomConfig(hidden_size=64, n_head=4)
+    if kind == "mla":
+        return transformers.DeepseekV3Config(hidden_size=64, num_attention_heads=4, kv_lora_rank=32)
+    if kind == "chunked":
+        return transformers.Llama4TextConfig(**llama, attention_chunk_size=16)
+    if kind == "layer-types":
+        return transformers.Qwen3Config(**llama, head_dim=32, layer_types=["full_attention", "linear_attention"])
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("head-dim-20", r"head_dim 20 is not supported \(a multiple of 8 in \[32, 256\]\)"),
+    ("head-dim-264", "head_dim 264 is not supported"),
+    ("encoder-decoder", "encoder-decoder models"),
+    ("alibi", "ALiBi"),
+    ("mla", "multi-head latent attention"),
+    ("chunked", "chunked attention"),
+    ("layer-types", r"layer types \['linear_attention'\] are not supported"),
+])
+def test_bad_configs_rejected(kind, message):
+    with pytest.raises(ValueError, match=message):
+        cph.CPCache(_bad(kind))
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"max_cache_len": 0}, ValueError, "max_cache_len must be a positive int"),
+    ({"page_size": 2.0}, ValueError, "page_size must be a positive int"),
+    ({"dtype": torch.int8}, TypeError, "dtype must be one of"),
+])
+def test_bad_cache_arguments_rejected(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        cph.CPCache(tiny_model("llama").config, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------------
+# The prefill's attention states against a float64 oracle
+
+
+def _oracle(q, k, v, t0, first, window_left, scale, softcap=None):
+    """float64 state of ``q [B, Hq, c, D]`` (global positions ``t0 + i``) over the whole cache ``k``/``v``."""
+    b, c = q.shape[0], q.shape[2]
+    t = t0 + torch.arange(c)
+    lo = torch.zeros(b, c, dtype=torch.long) if first is None else first.long()[:, None].expand(b, c)
+    if window_left is not None:
+        lo = torch.maximum(lo, t - window_left)
+    limits = torch.stack([lo, (t + 1).expand(b, c)], dim=-1)
+    return attention(q.double().transpose(1, 2), k.double(), v.double(), sm_scale=scale, row_limits=limits,
+                     logit_softcap=softcap)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("variant", ["causal", "padded-window-softcap"])
+def test_prefill_states_merge_to_the_oracle(world, variant):
+    """Every rank's state over its interleaved slots (FlashAttention per residue, or the masked chunks), merged
+    with ⊕, is the float64 attention over the whole cache: o, and the natural-log LSE."""
+    torch.manual_seed(0)
+    b, hq, hkv, s, d, scale = 2, 4, 2, 13, 40, 0.3
+    q = torch.randn(b, hq, s, d)
+    k, v = torch.randn(b, hkv, s, d), torch.randn(b, hkv, s, d)
+    first = torch.tensor([0, 5]) if variant != "causal" else None
+    window, cap = (4, 2.0) if variant != "causal" else (None, None)
+    states = []
+    for rank in range(world):
+        k_loc, v_loc = k[:, :, rank::world], v[:, :, rank::world]
+        if variant == "causal":
+            st = cph._causal_residues(q, k_loc, v_loc, rank, world, scale)
+        else:
+            st = cph._masked_chunk(q, k_loc, v_loc, 0, first, window, rank, world, scale, cap)
+        states.append(st)
+    merged = cph.merge_states(torch.stack([st.o.float() for st in states]), torch.stack([st.lse for st in states]))
+    ref = _oracle(q, k, v, 0, first, window, scale, cap)
+    seen = torch.isfinite(ref.lse)
+    torch.testing.assert_close(merged.o.double()[seen], ref.o[seen], atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(merged.lse.double()[seen], ref.lse[seen], atol=2e-5, rtol=1e-5)
+    assert (merged.o[~seen] == 0).all() and torch.isneginf(merged.lse[~seen]).all()
+
+
+# ------------------------------------------------------------------------------------------------------
+# W = 2 and W = 3: one torchrun launch each, every case in it
+
+DIST_CASES = {
+    2: (True, [{"id": a, "arch": a} for a in ARCHS] + [
+        {"id": "mistral-static-paged3", "arch": "mistral-window5", "cache": {"max_cache_len": 20, "page_size": 3}},
+        {"id": "llama-unpadded", "arch": "llama", "padded": False},
+        {"id": "llama-rows3", "arch": "llama", "rows": 3},
+    ]),
+    3: (False, [{"id": a, "arch": a} for a in ARCHS] + [
+        {"id": "llama-static-unpadded", "arch": "llama", "padded": False, "cache": {"max_cache_len": 17}},
+        {"id": "gemma2-fp8-paged2", "arch": "gemma2-softcap-window5",
+         "cache": {"dtype": "float8_e4m3fn", "page_size": 2}},
+        {"id": "gpt-oss-rows3-unpadded", "arch": "gpt-oss-sinks-window5", "rows": 3, "padded": False},
+    ]),
+}
+
+
+def _run_worker(tmp, world, interpret, cases):
+    (tmp / "cases.json").write_text(json.dumps(cases))
+    env = dict(os.environ, TRITON_INTERPRET="1" if interpret else "0")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", str(WORKER),
+           str(tmp / "cases.json"), str(tmp)]
+    with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:  # a session of its own: a timeout kills every rank
+        try:
+            out, err = proc.communicate(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    assert proc.returncode == 0, out[-3000:] + err[-6000:]
+    return [torch.load(tmp / f"rank{r}.pt") for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def dist_runs(tmp_path_factory):
+    done = {}
+
+    def get(world):
+        if world not in done:
+            interpret, cases = DIST_CASES[world]
+            done[world] = _run_worker(tmp_path_factory.mktemp(f"w{world}"), world, interpret, cases)
+        return done[world]
+
+    return get
+
+
+@pytest.mark.parametrize("world, case", [
+    pytest.param(w, c, id=f"{c['id']}-W{w}-{'interp' if DIST_CASES[w][0] else 'torch'}")
+    for w in DIST_CASES for c in DIST_CASES[w][1]])
+def test_context_parallel_generate_matches_eager(refs, dist_runs, world, case):
+    results = [ranks[case["id"]] for ranks in dist_runs(world)]
+    tokens, logits, length = results[0]
+    for r, (t, lg, n) in enumerate(results[1:], 1):  # every rank computed the same bits
+        assert torch.equal(lg, logits) and n == length and (t is None or torch.equal(t, tokens)), f"rank {r}"
+    padded = case.get("padded", True)
+    if case.get("rows"):
+        torch.testing.assert_close(logits, refs(case["arch"], padded, case["rows"]), **LOGIT_TOL)
+        return
+    ref_tokens, ref_logits, _, ref_len = refs(case["arch"], padded)
+    assert length == ref_len
+    if "dtype" in case.get("cache", {}):
+        tol = FP8_TOL[case["cache"]["dtype"]] * float(ref_logits.abs().max())
+        torch.testing.assert_close(logits[0], ref_logits[0], atol=tol, rtol=0)
+        return
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, **LOGIT_TOL)
+
+
+# ------------------------------------------------------------------------------------------------------
+# torch.compile
+
+
+def _decode_ready_cache(arch="mistral-window5", **cache_kwargs):
+    """A model and a preallocated CPCache after a prefill, with the next step's inputs."""
+    model = tiny_model(arch)
+    model.set_attn_implementation("cp_attention")
+    cache = cph.CPCache(model.config, max_cache_len=24, **cache_kwargs)
+    ids, mask = prompts()
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True, **{cache_kwarg(model): cache})
+    return model, cache, out.logits[:, -1].argmax(-1, keepdim=True), torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_static_update_traces_fullgraph(paged):
+    """A preallocated layer's update (owner and slot on the device, scratch writes) traces whole."""
+    _, cache, _, _ = _decode_ready_cache(**({"page_size": 4} if paged else {}))
+    layer = cache.layers[1]
+    k_new = torch.randn(3, 2, 1, 32)
+    before = (layer._k.clone(), layer._v.clone())
+    cache._shared.begin(k_new)  # the step starts (layer 0 does it in a forward)
+    compiled = torch.compile(layer.update, backend="eager", fullgraph=True)
+    got = compiled(k_new, k_new + 1)
+    assert got[0] is k_new or torch.equal(got[0], k_new)
+    written = (layer._k != before[0]).any(dim=-1)
+    assert written.any()  # the new token landed in this (only) rank's shard
+    local = layer.local_kv(int(cache._shared.seq_lens[0]), torch.float32)[0]
+    torch.testing.assert_close(local[:, :, -1], k_new[:, :, 0])
+
+
+def _flash_decode_traces() -> bool:
+    """Whether ``flash_decode`` traces under ``torch.compile(fullgraph=True)`` (a torch.library custom op)."""
+    q, k = torch.randn(1, 2, 32), torch.randn(1, 2, 8, 32)
+    try:
+        torch.compile(cph.flash_decode, backend="eager", fullgraph=True)(q, k, k)
+    except Exception:  # noqa: BLE001 - any tracing failure means: not yet
+        return False
+    finally:
+        torch._dynamo.reset()
+    return True
+
+
+def test_compiled_generate_decode_step_fullgraph():
+    """The decode step of a model on a preallocated CPCache traces whole (what transformers' compiled
+    generation compiles), and equals the eager step."""
+    if not _flash_decode_traces():
+        pytest.skip("flash_decode is not a torch.library custom op on this branch: the step cannot trace whole")
+    model, cache, token, mask = _decode_ready_cache()
+    positions = (mask.cumsum(-1) - 1)[:, -1:]
+    masks = cph.cp_attention_mask(3, 1, mask.shape[1], attention_mask=mask.bool())
+    step = torch.compile(model.forward, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        got = step(input_ids=token, attention_mask=masks, position_ids=positions, use_cache=True,
+                   **{cache_kwarg(model): cache}).logits
+    _, cache2, _, _ = _decode_ready_cache()
+    with torch.no_grad():
+        ref = model(input_ids=token, attention_mask=mask, position_ids=positions, use_cache=True,
+                    **{cache_kwarg(model): cache2}).logits
+    torch.testing.assert_close(got, ref, **LOGIT_TOL)
+
+
+@pytest.mark.gpu
+def test_compiled_generate_matches_eager_cuda():
+    """32 greedy steps of transformers' own compiled generation (a preallocated CPCache makes generate()
+    compile the forward, CUDA graphs) choose eager transformers' tokens."""
+    new = 32
+    model = tiny_model("llama").cuda()
+    ids, mask = (t.cuda() for t in prompts())
+    ref_tokens = reference(model, ids, mask, new_tokens=new)[0]
+    model.set_attn_implementation("cp_attention")
+    cache = cph.CPCache(model.config, max_cache_len=ids.shape[1] + new)
+    assert cache.is_compileable
+    tokens, _ = generate(model, ids, mask, cache, new_tokens=new)
+    assert torch.equal(tokens, ref_tokens)
