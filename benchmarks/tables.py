@@ -343,6 +343,29 @@ def generate_table(w1: dict, w2: dict, p1: dict | None = None, p2: dict | None =
     return text
 
 
+def hf_table(data: dict) -> str:
+    """benchmarks/bench_hf.py: transformers' generate() with cp_attention against the native model and sdpa."""
+    intro = (f"Decode tokens/s of transformers' own `generate()` on {data.get('config', '?')} shapes with random weights "
+             f"(bf16, B = {data.get('batch', '?')}, {data.get('new_tokens', '?')} new tokens, the first "
+             f"{data.get('warmup_steps', '?')} left out), the context filled with random K/V; `native` is "
+             "`launch/generate.py`'s own model, compiled runs are transformers' compiled generation (CUDA graphs):\n\n")
+    header = ["context", "native", "cp_attention + CPCache, compiled", "sdpa + StaticCache, compiled",
+              "cp_attention eager", "sdpa + DynamicCache eager", "compiled / native", "compiled cp / sdpa"]
+    out = []
+    for r in data.get("rows", []):
+        out.append([tokens(r["context"])] + [ratio(get(r, f"{n}_tokens_per_s"), 1) for n in
+                                              ("native", "cp_compiled", "sdpa_static_compiled", "cp_eager", "sdpa_eager")]
+                   + [ratio(get(r, "cp_compiled_over_native")), times(get(r, "cp_compiled_over_sdpa_best"))])
+    text = intro + markdown(header, out)
+    pre = data.get("prefill") or {}
+    cp, sd = pre.get("cp_attention", {}), pre.get("sdpa", {})
+    if cp.get("s") and sd.get("s"):
+        same = "the same next token" if cp.get("next_token") == sd.get("next_token") else "DIFFERENT next tokens"
+        text += (f"\n\nPrefill of a {tokens(data.get('prefill_tokens'))}-token prompt through `generate()`: "
+                 f"{ratio(cp['s'], 2)} s with cp_attention, {ratio(sd['s'], 2)} s with sdpa ({same}).")
+    return text
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The tables
 
@@ -402,6 +425,8 @@ TABLES = [
     Table("bench_cp_fp8", ("bench_cp_fp8",), cp_table, "bench_cp"),
     Table("bench_cp_cascade", ("bench_cp_cascade",), cp_table, "bench_cp"),
     Table("fp8_accuracy", ("fp8_accuracy",), fp8_accuracy_table, f"{BENCH}fp8_accuracy.py"),
+    Table("bench_hf", ("bench_hf",), hf_table,
+          f"{BENCH}bench_hf.py --contexts 32768 131072 --new-tokens 40 --prefill 32768"),
     Table("generate", ("generate_w1", "generate_w2", "generate_prefill_w1", "generate_prefill_w2"), generate_table,
           "`benchmarks/run_all.sh OUT_DIR two` (launch/generate.py --random-config llama3-8b --fill-context on 1 "
           "and 2 GPUs, then `python3 -m benchmarks.tables`)"),
