@@ -13,7 +13,7 @@ The model computes everything but attention: :meth:`Transformer.forward` takes a
 q, k, v) -> o`` that owns the KV cache (a context-parallel prefill, or ``CPKVCache.append`` + ``decode`` in
 ``launch/generate.py``). RoPE, RMSNorm and the gated activation follow ``transformers`` operation by
 operation (same dtypes, same roundings), so float32 logits agree with ``LlamaForCausalLM`` to rounding. On a
-GPU they are the Triton kernels of ``launch/kernels.py`` (the residual adds folded into the norms), and the
+GPU they are the Triton kernels of ``launch/model_kernels.py`` (the residual adds folded into the norms), and the
 q/k/v and gate/up projections are one GEMM each (:meth:`Transformer.fuse_projections`, done by the loaders):
 a decode step launches about ten kernels per layer instead of forty.
 
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from launch.kernels import gated_act, rmsnorm, rope_
+from launch.model_kernels import gated_act, rmsnorm, rope_
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma2")
 
@@ -227,7 +227,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
         """``[..., dim]`` -> ``[..., dim]``, after ``x += delta`` in place when ``delta`` is given
-        (:func:`launch.kernels.rmsnorm`)."""
+        (:func:`launch.model_kernels.rmsnorm`)."""
         return rmsnorm(x, self.weight, self.eps, delta, self.gemma)
 
 

@@ -1,4 +1,4 @@
-"""Compile every spec of tests/aot_specs.py (the kernels of cp_attention/ops and launch/kernels.py) for sm_90 and
+"""Compile every spec of tests/aot_specs.py (the kernels of cp_attention/ops and launch/model_kernels.py) for sm_90 and
 print a JSON report.
 
 Run in its own process (the interpreter must be off so ``@triton.jit`` gives compilable functions);
@@ -60,7 +60,7 @@ def main():
     report = {"specs": [], "unregistered": []}
     # the library's kernels, and the model kernels of launch/generate.py
     by_module = specs_by_module()
-    names = [f"cp_attention.ops.{info.name}" for info in pkgutil.iter_modules(ops_pkg.__path__)] + ["launch.kernels"]
+    names = [f"cp_attention.ops.{info.name}" for info in pkgutil.iter_modules(ops_pkg.__path__)] + ["launch.model_kernels"]
     for name in names:
         mod = importlib.import_module(name)
         short = name.rsplit(".", 1)[1]

@@ -1,5 +1,5 @@
 """The sm_90 compiles of tests/test_aot.py: realistic launches of every Triton kernel of cp_attention/ops (and of the
-model kernels of launch/kernels.py), each built from its launcher's own launch config, so the compiled code is the
+model kernels of launch/model_kernels.py), each built from its launcher's own launch config, so the compiled code is the
 code those launches run."""
 import torch
 
@@ -179,9 +179,9 @@ APPEND = [_append(False), _append(True)]  # Llama-3-8B's 8 KV heads, dense and p
 
 
 def _launch_kernels():
-    from launch import kernels
+    from launch import model_kernels as kernels
 
-    return [  # the model kernels of launch/generate.py at Llama-3-8B shapes, as launch/kernels.py launches them
+    return [  # the model kernels of launch/generate.py at Llama-3-8B shapes, as launch/model_kernels.py launches them
         {"kernel": kernels._rmsnorm_kernel,
          "signature": {"X": "*bf16", "DELTA": "*bf16", "W": "*bf16", "H": "*bf16", "eps": "fp32"},
          "constexprs": {"HAS_DELTA": delta, "GEMMA": gemma, "BLOCK": 4096}, "options": {"num_warps": 8}}
@@ -195,10 +195,10 @@ def _launch_kernels():
 
 
 def specs_by_module() -> dict:
-    """``{module: [spec]}`` for every module with Triton kernels: ``cp_attention.ops.<name>`` and ``launch.kernels``."""
+    """``{module: [spec]}`` for every module with Triton kernels: ``cp_attention.ops.<name>`` and ``launch.model_kernels``."""
     return {"cp_attention.ops.split_kv": SPLIT_KV, "cp_attention.ops.split_kv_fp8": SPLIT_KV_FP8,
             "cp_attention.ops.merge": MERGE, "cp_attention.ops.symm_merge": SYMM_MERGE,
-            "cp_attention.ops.prefix": PREFIX, "cp_attention.ops.append": APPEND, "launch.kernels": _launch_kernels()}
+            "cp_attention.ops.prefix": PREFIX, "cp_attention.ops.append": APPEND, "launch.model_kernels": _launch_kernels()}
 
 
 def all_specs() -> list:

@@ -1,10 +1,10 @@
-"""The model kernels of ``launch/kernels.py`` (RMSNorm with the residual add, in-place RoPE on a fused q/k/v
+"""The model kernels of ``launch/model_kernels.py`` (RMSNorm with the residual add, in-place RoPE on a fused q/k/v
 projection, the SwiGLU gate) against the plain-torch code they replace (the transformers operations), and the
 fused projections of ``launch/llama.py`` against the unfused model. Odd sizes; NaN-poisoned outputs."""
 import pytest
 import torch
 
-from launch import kernels
+from launch import model_kernels as kernels
 from launch.llama import CONFIGS, Transformer, random_model, rope_inv_freq
 
 # float32: rsqrt/exp and fused multiply-adds may move the last bits; 16-bit: a rounding of the dtype may land on
@@ -14,7 +14,7 @@ TOL = {torch.float32: 2e-6, torch.bfloat16: 2 ** -6, torch.float16: 2 ** -9}
 
 @pytest.fixture
 def torch_path(monkeypatch):
-    """Run ``fn`` with launch/kernels.py forced onto its torch code."""
+    """Run ``fn`` with launch/model_kernels.py forced onto its torch code."""
     def run(fn, *args, **kw):
         with monkeypatch.context() as m:
             m.setattr(kernels, "use_triton", lambda t: False)
