@@ -471,8 +471,13 @@ class CPCacheLayer(CacheLayerMixin):
 
     def decode_args(self) -> tuple:
         """``(k, v, seq_lens, block_table, kv_layout, k_scale, v_scale)`` for ``flash_decode``."""
-        layout = "HND" if self.shared.page_size is None else "NHD"
-        return self.keys, self.values, self.shared.seq_lens, self.block_table, layout, self.k_scale, self.v_scale
+        if self.shared.page_size is None:
+            # Sliced here, not read from ``keys``/``values``: a traced forward then takes only the buffers the
+            # update writes, so no graph input aliases another (CUDA graphs need mutated inputs to be static).
+            k, v, layout = self._k[:, :, :self._slots], self._v[:, :, :self._slots], "HND"
+        else:
+            k, v, layout = self._k, self._v, "NHD"
+        return k, v, self.shared.seq_lens, self.block_table, layout, self.k_scale, self.v_scale
 
     def local_kv(self, n: int, dtype) -> tuple:
         """This rank's first ``n`` local slots as dense ``[B, Hkv, n, D]`` tensors in ``dtype`` (FP8
