@@ -191,6 +191,7 @@ def main():
                 if DEVICE == "cuda":
                     torch.cuda.empty_cache()
             print(c, row, {k: v for k, v in rows[c].items() if k.startswith(row)}, flush=True)
+        save(args, rows, {})
     prefill = {}
     if args.prefill:
         ids = torch.randint(0, model.config.vocab_size, (1, args.prefill), device=DEVICE,
@@ -210,6 +211,13 @@ def main():
                 prefill[attn] = {"error": f"{type(e).__name__}: {e}"[:600]}
             gc.collect()
         print("prefill", prefill, flush=True)
+    save(args, rows, prefill)
+    for r in rows.values():
+        print(json.dumps(r))
+
+
+def save(args, rows, prefill):
+    """Write the JSON, the PNG and the table of what has been measured so far (a run cut short keeps its rows)."""
     table_rows = list(rows.values())
     for r in table_rows:
         base = r.get("native_tokens_per_s")
@@ -223,8 +231,6 @@ def main():
                            "rows": table_rows, "prefill_tokens": args.prefill, "prefill": prefill})
     plot(table_rows, os.path.join(ROOT, "benchmarks", "results", f"{args.name}.png"))
     write_tables(args.name)
-    for r in table_rows:
-        print(json.dumps(r))
 
 
 def plot(rows, path):
