@@ -30,7 +30,7 @@ def report():
 def test_every_kernel_is_registered(report):
     assert not report["unregistered"], f"kernels without a spec in tests/aot_specs.py: {report['unregistered']}"
     ids = {s["id"].rsplit("-", 1)[0] for s in report["specs"]}
-    assert {"merge", "split_kv", "kernels"} <= ids
+    assert {"merge", "split_kv", "model_kernels"} <= ids
 
 
 def test_every_kernel_compiles_for_sm90(report):
@@ -197,5 +197,5 @@ def test_one_warp_fp8_tiles_reach_the_tensor_cores_without_a_layout_change(repor
         assert loads and all(w.startswith("v4.b32") or w.startswith("v4.u32") for w in loads), (s["id"], loads)
         assert set(re.findall(r"st\.shared\.(\S+)", out)) - words == {"v4.b32"}, s["id"]
         if c["Q_ROWS"] * c["GROUP_SIZE"] % 4 == 0:  # 16-byte aligned rows (odd row counts misalign the slots)
-            scalar, vector = (len(re.findall(rf"st\.global\.{w}", out)) for w in ("b32", "v[24]\.b32"))
+            scalar, vector = (len(re.findall(rf"st\.global\.{w}", out)) for w in ("b32", r"v[24]\.b32"))
             assert vector and scalar <= 2, (s["id"], scalar, vector)  # the scalars: the lse

@@ -332,3 +332,21 @@ def test_bad_input(fn, exc, name):
     # The message starts with the argument's name (a bare search for "v" would match "have").
     with pytest.raises(exc, match=rf"^{name}\b"):
         fn()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_row_limits_in_any_order(dtype, num_splits):
+    """Each query row sees exactly its ``[lo, hi)``, whatever the order of the rows' limits: a row whose lower
+    limit is above another's (or empty, or past the cache) does not hide the other's first keys."""
+    b, rows, hq, hkv, t, d = 2, 4, 4, 2, 75, 32
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(b, rows, hq, d, generator=g).to(dtype).to(DEVICE)
+    k, v = (torch.randn(b, hkv, t, d, generator=g).to(dtype).to(DEVICE) for _ in range(2))
+    sl = lens(75, 61)
+    limits = torch.tensor([[[1, 1], [0, 1], [40, 75], [0, 70]],
+                           [[60, 61], [-3, 9], [5, 5], [17, 90]]], dtype=torch.int32, device=DEVICE)
+    got = flash_decode(q, k, v, sl, row_limits=limits, return_lse=True, num_splits=num_splits)
+    ref = attention(q.double(), k.double(), v.double(), sl, row_limits=limits)
+    assert_state_matches(got, ref, dtype)
+    assert torch.isneginf(got.lse[0, 0]).all() and torch.isneginf(got.lse[1, 2]).all()  # the empty rows

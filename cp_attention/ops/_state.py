@@ -164,13 +164,18 @@ def seq_length(SEQ_LENS, stride_sl, i_seq, T_MAX, HAS_SEQ_LENS: tl.constexpr):
 
 
 @triton.jit
-def first_position(ROW_LIMITS, stride_rlb, SEQ_LENS, stride_sl, i_seq, T_MAX, WINDOW, Q_ROWS: tl.constexpr,
-                   HAS_SEQ_LENS: tl.constexpr, HAS_ROW_LIMITS: tl.constexpr, HAS_WINDOW: tl.constexpr):
+def first_position(ROW_LIMITS, stride_rlb, stride_rlq, SEQ_LENS, stride_sl, i_seq, T_MAX, WINDOW,
+                   Q_ROWS: tl.constexpr, HAS_SEQ_LENS: tl.constexpr, HAS_ROW_LIMITS: tl.constexpr,
+                   HAS_WINDOW: tl.constexpr):
     """The lowest position any query row of sequence ``i_seq`` sees, from which the splits tile the keys
-    (:func:`split_range`'s ``base``): row 0's given lower limit (``ROW_LIMITS [B, Q, 2]``), the start of row 0's
-    window, or 0; at least 0."""
+    (:func:`split_range`'s ``base``): the lowest lower limit over the rows (``ROW_LIMITS [B, Q, 2]``, in any
+    order), the start of row 0's window (causal rows: row 0's is the lowest), or 0; at least 0."""
     if HAS_ROW_LIMITS:
-        base = tl.maximum(tl.load(ROW_LIMITS + i_seq * stride_rlb), 0)
+        p = ROW_LIMITS + i_seq * stride_rlb
+        base = tl.load(p)
+        for r in range(1, Q_ROWS):
+            base = tl.minimum(base, tl.load(p + r * stride_rlq))
+        base = tl.maximum(base, 0)
     elif HAS_WINDOW:
         base = tl.maximum(seq_length(SEQ_LENS, stride_sl, i_seq, T_MAX, HAS_SEQ_LENS) - Q_ROWS - WINDOW, 0)
     else:

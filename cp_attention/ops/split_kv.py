@@ -125,8 +125,8 @@ def _split_kv_kernel(
     i_h64 = i_h.to(tl.int64)
 
     # The splits tile the keys any row may see, from the lowest one
-    base = first_position(ROW_LIMITS, stride_rlb, SEQ_LENS, stride_sl, i_b64, T_MAX, WINDOW, Q_ROWS, HAS_SEQ_LENS,
-                          HAS_ROW_LIMITS, HAS_WINDOW)
+    base = first_position(ROW_LIMITS, stride_rlb, stride_rlq, SEQ_LENS, stride_sl, i_b64, T_MAX, WINDOW, Q_ROWS,
+                          HAS_SEQ_LENS, HAS_ROW_LIMITS, HAS_WINDOW)
     seq_len, chunk, t_start, t_end = split_range(SEQ_LENS, stride_sl, i_b64, i_s, T_MAX, TILES_PER_SPLIT,
                                                  BLOCK_N, HAS_SEQ_LENS, base)
 

@@ -335,8 +335,8 @@ def _split_kv_fp8_kernel(
     # down to a whole tile so that a tile stays within a page; the keys below a row's first are masked. Split
     # i_s takes tiles t0, t0 + step, ... of them: of a dense cache every n_sp-th from i_s, of a paged one the
     # range from i_s TILES_PER_SPLIT (Note [Strided splits]), whose end (t_end) bounds its copies
-    base = first_position(ROW_LIMITS, stride_rlb, SEQ_LENS, stride_sl, i_b64, T_MAX, WINDOW, Q_ROWS, HAS_SEQ_LENS,
-                          HAS_ROW_LIMITS, HAS_WINDOW) // BLOCK_N * BLOCK_N
+    base = first_position(ROW_LIMITS, stride_rlb, stride_rlq, SEQ_LENS, stride_sl, i_b64, T_MAX, WINDOW, Q_ROWS,
+                          HAS_SEQ_LENS, HAS_ROW_LIMITS, HAS_WINDOW) // BLOCK_N * BLOCK_N
     seq_len = seq_length(SEQ_LENS, stride_sl, i_b64, T_MAX, HAS_SEQ_LENS)
     if IS_PAGED:
         t0 = i_s * TILES_PER_SPLIT
