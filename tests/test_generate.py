@@ -142,15 +142,14 @@ def runs(checkpoints, tmp_path_factory):
     return get
 
 
-CASES = [
+CASES = [  # the kernels under the interpreter where a case adds a kernel variant (window, softcap); else torch
     pytest.param("llama-untied", 1, True, id="llama-untied-llama3rope-W1-interp"),
-    pytest.param("llama-untied", 3, True, id="llama-untied-llama3rope-W3-interp"),
+    pytest.param("llama-untied", 3, False, id="llama-untied-llama3rope-W3-torch"),
     pytest.param("llama-untied", 2, False, id="llama-untied-llama3rope-W2-torch"),
-    pytest.param("llama-tied", 2, True, id="llama-tied-W2-interp"),
-    pytest.param("llama-tied", 3, False, id="llama-tied-W3-torch"),
+    pytest.param("llama-tied", 2, False, id="llama-tied-W2-torch"),
     pytest.param("mistral-window5", 2, True, id="mistral-window5-W2-interp"),
     pytest.param("mistral-window5", 3, False, id="mistral-window5-W3-torch"),
-    pytest.param("qwen2-bias-tied", 2, True, id="qwen2-bias-tied-W2-interp"),
+    pytest.param("qwen2-bias-tied", 3, False, id="qwen2-bias-tied-W3-torch"),
     pytest.param("gemma2-window5-softcap", 2, True, id="gemma2-window5-softcap-W2-interp"),
     pytest.param("gemma2-window5-softcap", 3, False, id="gemma2-window5-softcap-W3-torch"),
 ]
@@ -170,9 +169,9 @@ def test_tokens_match_transformers(checkpoints, runs, kind, world, interpret):
 
 
 def test_prefill_across_ranks_equals_one_rank(runs):
-    one, three = runs("llama-untied", 1, True), runs("llama-untied", 3, True)
+    one, three = runs("llama-untied", 1, True), runs("llama-untied", 3, False)  # the kernels; the torch path
     torch.testing.assert_close(torch.tensor(three["prefill_logits"]), torch.tensor(one["prefill_logits"]),
-                               atol=1e-4, rtol=1e-5)
+                               atol=5e-4, rtol=1e-5)
     assert [t[0] for t in three["tokens"]] == [t[0] for t in one["tokens"]]
 
 
@@ -355,7 +354,7 @@ def test_backends_agree_on_text_prompts(tmp_path, text_checkpoint, world):
     for backend, source in (("native", ["--prompts", prompts]),
                             ("transformers", [arg for t in texts for arg in ("--prompt", t)])):
         proc, out = run_generate(tmp_path, ["--model", ckpt, *source, "--backend", backend, "--logits"], world,
-                                 interpret=world == 2)
+                                 interpret=world == 1)
         assert proc.returncode == 0, proc.stderr[-5000:]
         assert out["backend"] == backend and out["tokens"] == ref_tokens, backend
         outs[backend] = out

@@ -128,7 +128,7 @@ MULTI = [
     (3, 3, 8, 2, 32, 100, [100, 2, 0], 0, 2),       # a sequence shorter than Q, an empty one
     (2, 4, 4, 4, 64, 130, [130, 4], 16, 3),         # MHA, paged
     (2, 7, 8, 2, 32, 90, [90, 50], 0, 1),
-    (2, 16, 16, 2, 32, 80, [80, 17], 5, 2),         # 16 rows x 8 heads: two row tiles, paged
+    (2, 16, 16, 2, 32, 45, [45, 17], 5, 2),         # 16 rows x 8 heads: two row tiles, paged
 ]
 
 
