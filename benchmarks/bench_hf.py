@@ -178,6 +178,8 @@ def main():
             try:
                 model.set_attn_implementation(attn)
                 cache = filled_cache(model, kind, c, args.new_tokens)
+                if comp:  # each compiled row compiles afresh for its shapes (see docs/performance.md)
+                    torch._dynamo.reset()
                 with torch.no_grad():
                     toks, steps = generate(model, cache, c, args.new_tokens, comp)
                 tps, med = tokens_per_s(steps, args.warmup)

@@ -352,8 +352,12 @@ def hf_table(data: dict) -> str:
     header = ["context", "native", "cp_attention + CPCache, compiled", "sdpa + StaticCache, compiled",
               "cp_attention eager", "sdpa + DynamicCache eager", "compiled / native", "compiled cp / sdpa"]
     out = []
+    def cell(r, n):  # a configuration that raised shows its exception's class (the message is in the JSON)
+        err = r.get(f"{n}_error")
+        return f"failed ({err.split(':')[0]})" if err else ratio(get(r, f"{n}_tokens_per_s"), 1)
+
     for r in data.get("rows", []):
-        out.append([tokens(r["context"])] + [ratio(get(r, f"{n}_tokens_per_s"), 1) for n in
+        out.append([tokens(r["context"])] + [cell(r, n) for n in
                                               ("native", "cp_compiled", "sdpa_static_compiled", "cp_eager", "sdpa_eager")]
                    + [ratio(get(r, "cp_compiled_over_native")), times(get(r, "cp_compiled_over_sdpa_best"))])
     text = intro + markdown(header, out)
@@ -447,7 +451,7 @@ def render(table: Table, results: Path = RESULTS) -> str | None:
     body = table.render(*payloads)
     command = _cp_command(payloads[0]) if table.command == "bench_cp" else table.command
     env = environment_line(payloads[0].get("environment"))
-    graph = "" if table.name in ("bench_overhead", "fp8_accuracy", "generate") else (
+    graph = "" if table.name in ("bench_overhead", "fp8_accuracy", "generate", "bench_hf") else (
         "µs per call, 20 calls captured in one CUDA graph (median of replays, L2 flushed before each). ")
     command = command if "`" in command else f"`{command}`"  # a command, or markdown naming several
     return f"{body}\n\n{graph}{env + ' ' if env else ''}Reproduce: {command}"

@@ -529,6 +529,8 @@ def run_transformers(args, model, prompts, device, fill_context=None) -> dict:
     b, pad = len(prompts), cfg.pad_token_id if isinstance(cfg.pad_token_id, int) else 0
     context = fill_context or max(len(p) for p in prompts)
     cache = CPCache(model.config, max_cache_len=context + args.new_tokens)
+    if args.compile:  # each context compiles its own static shapes (docs/performance.md, "Generation through transformers")
+        torch._dynamo.reset()
     result = {"world_size": world, "device": device.type, "dtype": str(args.dtype).replace("torch.", ""),
               "model": args.random_config or str(args.model), "batch": b,
               "prompt_lens": [len(p) for p in prompts], "new_tokens": args.new_tokens,
