@@ -239,12 +239,6 @@ def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num
         return _library.flash_decode(q, k, v, seq_lens, block_table, sm_scale, num_splits, kv_layout, split_size,
                                      k_scale, v_scale, window_left, logit_softcap, sinks, return_lse, out, plan,
                                      row_limits, _span, _export)
-    check_inference("flash_decode", ("q", "k", "v", "sinks", "k_scale", "v_scale", "out"), q, k, v, sinks, k_scale,
-                    v_scale, out)
-    if torch.compiler.is_compiling():  # Dynamo traces: the op (Note [Custom ops under torch.compile], _library.py)
-        return _library.flash_decode(q, k, v, seq_lens, block_table, sm_scale, num_splits, kv_layout, split_size,
-                                     k_scale, v_scale, window_left, logit_softcap, sinks, return_lse, out, plan,
-                                     row_limits, _span, _export)
     # The key (Note [The decode hot path]); the pointers it reads are the launch's arguments.
     global _LAST
     key = prep = None
