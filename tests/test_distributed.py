@@ -438,6 +438,10 @@ def case_cache_mismatch(rank, world, *, what):
             CPKVCache.from_prefix(k, k, torch.tensor([40, 7]), 64, rank=rank, world_size=world + 1)
         elif what == "rank":
             CPKVCache.from_prefix(k, k, torch.tensor([40, 7]), 64, rank=0, world_size=world)
+        elif what == "rollback":  # rank r drops r + 1 tokens: the shards no longer hold one cache
+            cache = CPKVCache.from_prefix(k, k, torch.tensor([40, 7]), 64)
+            cache.rollback(rank + 1)
+            cache.decode(torch.randn(2, 8, 32))
         else:
             cache = CPKVCache.from_prefix(k, k, torch.tensor([40, 7]), 64)
             cache.decode(torch.randn(2, 8, 32), window_left=10 + rank)
@@ -650,7 +654,8 @@ def test_mismatch_raises_on_every_rank(pool, world, what):
         assert len(set(messages)) == 1
 
 
-@pytest.mark.parametrize("what, name", [("world-size", "world_size"), ("rank", "rank"), ("window", "window_left")])
+@pytest.mark.parametrize("what, name", [("world-size", "world_size"), ("rank", "rank"), ("window", "window_left"),
+                                        ("rollback", "cache lengths")])
 def test_cache_mismatch_raises_on_every_rank(pool, what, name):
     messages = pool(2).run(case_cache_mismatch, what=what)
     assert all(m.startswith(name) for m in messages), messages
@@ -773,8 +778,9 @@ def _cache1():
                                    world_size=1), ValueError, "max_seq_len"),
     (lambda: cp_flash_decode(torch.ones(1, 8, 32), torch.ones(1, 2, 4, 32), torch.ones(1, 2, 4, 32), None,
                              return_lse=1), TypeError, "return_lse"),
+    (lambda: CPKVCache(1, 1, 8, 10), ValueError, "pass rank and world_size, or initialise a process group"),
 ], ids=["batch-0", "rank", "dtype", "append-shape", "append-dtype", "append-v-shape", "set-lengths-range",
-        "prefix-too-long", "return-lse"])
+        "prefix-too-long", "return-lse", "no-group"])
 def test_cache_and_cp_decode_reject_bad_input(call, exc, match):
     with pytest.raises(exc, match=match):
         call()

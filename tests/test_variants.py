@@ -75,6 +75,17 @@ def test_logit_softcap_bends_large_scores(dtype, q_rows):
     assert got.lse.max() < 30 + math.log(150) + 1e-3
 
 
+@pytest.mark.parametrize("cap", [1e30, 1e6, 8.0, 0.25])
+def test_logit_softcap_of_any_size(cap):
+    """A cap far above every score leaves the scores as they are (tanh keeps its relative precision at small
+    arguments); scores on both sides of |s / cap| = 1/8 bend exactly."""
+    q, k, v, sl = dense_cache(2, 8, 2, 90, 32, [90, 31], q_rows=2, dtype=torch.float32, seed=9)
+    got = flash_decode(q, k, v, sl, logit_softcap=cap, num_splits=2, return_lse=True)
+    assert_state_matches(got, oracle(q, k, v, sl, logit_softcap=cap), torch.float32)
+    if cap > 1e5:
+        assert_state_matches(got, oracle(q, k, v, sl), torch.float32)
+
+
 @pytest.mark.parametrize("splits", [1, 2, 5])
 def test_sinks_join_once(splits):
     """One sink logit per head, counted once however many splits; an empty row gets o = 0, lse = sink. A

@@ -5,7 +5,8 @@ Note [Agreement across ranks]
 Every rank of a context-parallel call merges the same states in the same order, so the arguments that shape
 the states or the merge must be the same on every rank: q's shape and dtype, the KV heads, ``sm_scale``,
 ``split_size`` (and the shards' split slots), ``window_left``, ``logit_softcap``, ``sinks`` (by value),
-``k_scale``/``v_scale`` (by value) and, for a cascade, the levels' kinds. A rank whose arguments differ would
+``k_scale``/``v_scale`` (by value), for a cascade the levels' kinds, and for a ``CPKVCache`` the global lengths
+of its sequences (by value: every rank must have appended and rolled back the same tokens). A rank whose arguments differ would
 not hang: it would merge states of another attention and return a wrong answer, on some ranks only. With
 ``check_metadata=True`` (the default) each rank validates its own arguments and all-gather one fixed-size
 vector of int64 words: an ok flag, then each argument's value (floats as their IEEE bits, tensors as a
@@ -32,7 +33,7 @@ from .exchange import all_gather_single
 _DTYPE_CODES = {dtype: i + 1 for i, dtype in enumerate(FLOAT_DTYPES + FP8_DTYPES)}
 # The words every rank contributes, in order (after the ok flag).
 FIELDS = ("q.shape[0]", "q rows", "q heads", "head dim", "q.dtype", "KV heads", "sm_scale", "split_size",
-          "split slots", "window_left", "logit_softcap", "k_scale", "v_scale", "sinks", "levels")
+          "split slots", "window_left", "logit_softcap", "k_scale", "v_scale", "sinks", "levels", "cache lengths")
 
 
 def _bits(x: float) -> int:
@@ -104,9 +105,10 @@ def agree(local, group, what: str):
     return result
 
 
-def decode_meta(q, k_shard, v_shard, seq_lens_shard, kwargs, row_limits, window_left=None):
+def decode_meta(q, k_shard, v_shard, seq_lens_shard, kwargs, row_limits, window_left=None, global_lens=None):
     """:func:`agree`'s ``local`` of a context-parallel decode: checks every argument once (returns the
-    :class:`~cp_attention._validate.CacheGeometry`) and gives the words that must agree."""
+    :class:`~cp_attention._validate.CacheGeometry`) and gives the words that must agree (``global_lens``: a
+    ``CPKVCache``'s global sequence lengths)."""
     geo = check_decode_args(q, k_shard, v_shard, seq_lens_shard, row_limits=row_limits, **kwargs)
     d = q.shape[-1]
     sm_scale = kwargs.get("sm_scale")
@@ -114,7 +116,8 @@ def decode_meta(q, k_shard, v_shard, seq_lens_shard, kwargs, row_limits, window_
     words = [q.shape[0], geo.q_rows, q.shape[-2], d, _DTYPE_CODES[q.dtype], geo.hkv,
              _bits(1.0 / math.sqrt(d) if sm_scale is None else sm_scale), value_word(split_size),
              split_slots(split_size, geo.t_max), value_word(window_left), value_word(kwargs.get("logit_softcap")),
-             value_word(kwargs.get("k_scale")), value_word(kwargs.get("v_scale")), value_word(kwargs.get("sinks")), 0]
+             value_word(kwargs.get("k_scale")), value_word(kwargs.get("v_scale")), value_word(kwargs.get("sinks")), 0,
+             value_word(global_lens)]
     return words, geo
 
 
@@ -127,7 +130,7 @@ def cascade_meta(q, checked, kwargs) -> list:
             checked[0].lvl.k.shape[2 if checked[0].lvl.block_table is not None else 1],
             _bits(1.0 / math.sqrt(d) if sm_scale is None else sm_scale), 0, 0, 0,
             value_word(kwargs.get("logit_softcap")), value_word(kwargs.get("k_scale")),
-            value_word(kwargs.get("v_scale")), value_word(kwargs.get("sinks")), struct.unpack("<q", kinds)[0]]
+            value_word(kwargs.get("v_scale")), value_word(kwargs.get("sinks")), struct.unpack("<q", kinds)[0], 0]
 
 
 def split_slots(split_size, t_max) -> int:

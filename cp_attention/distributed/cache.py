@@ -76,6 +76,9 @@ class CPKVCache:
             device = torch.device("cuda", torch.cuda.current_device())
         check_kv_scales(k_scale, v_scale, dtype, torch.bfloat16, heads_kv, device)
         self.k_scale, self.v_scale = k_scale, v_scale
+        if (rank is None or world_size is None) and not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("CPKVCache: pass rank and world_size, or initialise a process group "
+                             "(torch.distributed.init_process_group) to take them from")
         world_size = dist.get_world_size(group) if world_size is None else world_size
         world_size = check_int("world_size", world_size, 1)
         rank = dist.get_rank(group) if rank is None else rank
@@ -285,7 +288,8 @@ class CPKVCache:
         if self.k_scale is not None:
             kwargs = dict(kwargs, k_scale=self.k_scale, v_scale=self.v_scale)
         return cp_decode(q, self.k, self.v, self.seq_lens, group=self.group, check_metadata=check_metadata,
-                         row_limits=row_limits, span=span, window_left=window, what="CPKVCache.decode",
+                         row_limits=row_limits, span=span, window_left=window, global_lens=self.global_seq_lens,
+                         what="CPKVCache.decode",
                          kwargs=dict(kwargs, block_table=self.block_table, kv_layout=self.kv_layout))
 
     @property

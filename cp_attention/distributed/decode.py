@@ -153,11 +153,11 @@ def _exchange(q, local_into, *, group, return_lse, sinks, pushes=False):
 
 
 def cp_decode(q, k_shard, v_shard, seq_lens_shard, *, group, check_metadata, row_limits, span, kwargs,
-              window_left=None, what="cp_flash_decode"):
+              window_left=None, global_lens=None, what="cp_flash_decode"):
     """Local attention written unrounded into the exchange buffer, then ⊕ across the ranks. Every argument is
     checked once: inside the agreement collective with ``check_metadata`` (Note [Agreement across ranks]), else
     by ``flash_decode`` itself. ``window_left``: the window a caller (``CPKVCache.decode``) turned into
-    ``row_limits``, for the agreement check."""
+    ``row_limits``, and ``global_lens``, its global sequence lengths, for the agreement check."""
     check_bool("check_metadata", check_metadata)
     if "out" in kwargs:
         raise TypeError(f"{what} does not take out (the local state goes into the exchange buffer)")
@@ -166,8 +166,8 @@ def cp_decode(q, k_shard, v_shard, seq_lens_shard, *, group, check_metadata, row
                                   window_left, what)
     geo = None
     if check_metadata and not _capturing(q):
-        geo = agree(lambda: decode_meta(q, k_shard, v_shard, seq_lens_shard, kwargs, row_limits, window_left), group,
-                    what)
+        geo = agree(lambda: decode_meta(q, k_shard, v_shard, seq_lens_shard, kwargs, row_limits, window_left,
+                                        global_lens), group, what)
     kwargs = dict(kwargs)
     return_lse = kwargs.pop("return_lse", False)
     check_bool("return_lse", return_lse)

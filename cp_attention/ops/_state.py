@@ -354,10 +354,14 @@ def attend_tiles(b_q, row_lo, row_hi, p_k, p_v, stride_kt, stride_vt, p_bt, stri
 
 @triton.jit
 def capped(b_s, cap, SOFTCAP: tl.constexpr):
-    """The scores ``b_s``, or with ``SOFTCAP`` ``cap * tanh(b_s)`` as ``1 - 2 / (1 + e^{2x})`` (exact limits
-    +-1 for large |x|)."""
+    """The scores ``b_s``, or with ``SOFTCAP`` ``cap * tanh(b_s)``: ``1 - 2 / (1 + e^{2x})`` (exact limits +-1
+    for large |x|), and below |x| = 1/8 its odd Taylor polynomial to x^7, where the subtraction would lose
+    tanh's relative precision (its absolute error of a float32 ulp of 1, times ``cap``, would swamp the
+    scores of a very large cap)."""
     if SOFTCAP:
-        b_s = cap * (1.0 - 2.0 / (1.0 + tl.exp2(b_s * (2.0 * LOG2E))))
+        x2 = b_s * b_s
+        series = b_s * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
+        b_s = cap * tl.where(x2 < 0.015625, series, 1.0 - 2.0 / (1.0 + tl.exp2(b_s * (2.0 * LOG2E))))
     return b_s
 
 
