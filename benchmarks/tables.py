@@ -351,11 +351,12 @@ def hf_table(data: dict) -> str:
              "`launch/generate.py`'s own model, compiled runs are transformers' compiled generation (CUDA graphs):\n\n")
     header = ["context", "native", "cp_attention + CPCache, compiled", "sdpa + StaticCache, compiled",
               "cp_attention eager", "sdpa + DynamicCache eager", "compiled / native", "compiled cp / sdpa"]
-    out = []
+
     def cell(r, n):  # a configuration that raised shows its exception's class (the message is in the JSON)
         err = r.get(f"{n}_error")
         return f"failed ({err.split(':')[0]})" if err else ratio(get(r, f"{n}_tokens_per_s"), 1)
 
+    out = []
     for r in data.get("rows", []):
         out.append([tokens(r["context"])] + [cell(r, n) for n in
                                               ("native", "cp_compiled", "sdpa_static_compiled", "cp_eager", "sdpa_eager")]

@@ -5,9 +5,11 @@ Note [Agreement across ranks]
 Every rank of a context-parallel call merges the same states in the same order, so the arguments that shape
 the states or the merge must be the same on every rank: q's shape and dtype, the KV heads, ``sm_scale``,
 ``split_size`` (and the shards' split slots), ``window_left``, ``logit_softcap``, ``sinks`` (by value),
-``k_scale``/``v_scale`` (by value), for a cascade the levels' kinds, and for a ``CPKVCache`` the global lengths
-of its sequences (by value: every rank must have appended and rolled back the same tokens). A rank whose arguments differ would
-not hang: it would merge states of another attention and return a wrong answer, on some ranks only. With
+``k_scale``/``v_scale`` (by value), for a cascade the levels' kinds, and for a ``CPKVCache`` the global
+lengths of its sequences (by value: every rank must have appended and rolled back the same tokens). A rank
+whose arguments differ would not hang: it would merge states of another attention and return a wrong
+answer, on some ranks only. The values of ``q`` are not compared (a digest would read ``q`` on the host at
+every step). With
 ``check_metadata=True`` (the default) each rank validates its own arguments and all-gather one fixed-size
 vector of int64 words: an ok flag, then each argument's value (floats as their IEEE bits, tensors as a
 64-bit digest of their bytes). A rank that rejected its arguments raises its own error, the others raise
