@@ -13,6 +13,11 @@ runs: the first steps compile and record CUDA graphs). Rows:
 * ``sdpa_static_compiled``: ``generate()`` with ``"sdpa"`` and a StaticCache, compiled the same way;
 * ``cp_eager`` / ``sdpa_eager``: ``generate()`` without compilation, CPCache / DynamicCache.
 
+For the compiled rows, a second ``generate()`` on the same cache (its length set back) runs under
+``torch.profiler``: ``*_device_ms`` is the GPU's busy time per step (the union of the kernel and copy intervals
+over ``--profile-steps`` steps), so a step's time splits into the device's work and the host time it waits for
+(``generate()`` reads each new token on the host before it prepares the next step).
+
 Prefill: a ``--prefill`` token prompt (random ids) through ``generate(max_new_tokens=1)`` with each attention: its
 time and its next token (the same model and weights, so the tokens must agree).
 
@@ -113,17 +118,60 @@ def filled_cache(model, kind: str, context: int, new_tokens: int):
     return cache
 
 
-def generate(model, cache, context: int, new_tokens: int, compile_: bool):
+def generate(model, cache, context: int, new_tokens: int, compile_: bool, streamer=None):
     """Greedy ``generate()`` of ``new_tokens`` after ``context`` cached positions; ``(tokens, step seconds)``."""
     ids = torch.zeros(1, context + 1, dtype=torch.int64, device=DEVICE)
     ids[:, -1] = 7
-    timer = StepTimer()
+    timer = streamer or StepTimer()
     takes_cache = "cache" in __import__("inspect").signature(model.forward).parameters
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
                          pad_token_id=0, streamer=timer, disable_compile=not compile_,
                          **{"cache" if takes_cache else "past_key_values": cache})
     steps = [b - a for a, b in zip(timer.times, timer.times[1:])]
     return out[0, ids.shape[1]:].tolist(), steps
+
+
+class ProfiledSteps(StepTimer):
+    """A streamer that advances a ``torch.profiler`` schedule at every forward."""
+
+    def __init__(self, prof):
+        super().__init__()
+        self.prof = prof
+
+    def put(self, value):
+        super().put(value)
+        self.prof.step()
+
+
+def device_ms_per_step(model, cache, kind: str, context: int, new_tokens: int, warmup: int, steps: int):
+    """The GPU's busy time per compiled decode step: ``generate()`` again on ``cache`` (its length set back to
+    ``context``) under ``torch.profiler``; the union of the kernel and copy intervals of ``steps`` steps after
+    ``warmup``, divided by the steps."""
+    if kind == "cp":
+        cache.reset()
+        cache.set_seq_length(context)
+    else:
+        for layer in cache.layers:
+            layer.cumulative_length.fill_(context)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    schedule = torch.profiler.schedule(wait=warmup, warmup=1, active=steps)
+    with torch.profiler.profile(activities=activities, schedule=schedule) as prof:
+        generate(model, cache, context, min(new_tokens, warmup + steps + 2), True, streamer=ProfiledSteps(prof))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        events = json.load(open(path))["traceEvents"]
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    n = sum(1 for e in events if e.get("cat") == "user_annotation" and e.get("name", "").startswith("ProfilerStep"))
+    if not spans:
+        return None
+    busy, (lo, hi) = 0.0, spans[0]
+    for a, b in spans[1:]:
+        if a > hi:
+            busy, lo, hi = busy + hi - lo, a, b
+        else:
+            hi = max(hi, b)
+    return (busy + hi - lo) / 1e3 / max(n, 1)
 
 
 def tokens_per_s(steps, warmup: int):
@@ -152,6 +200,7 @@ def main():
     ap.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
     ap.add_argument("--new-tokens", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=8, help="steps left out of the timing (compile, CUDA graphs)")
+    ap.add_argument("--profile-steps", type=int, default=8, help="compiled rows: steps profiled for the device time (0: none)")
     ap.add_argument("--prefill", type=int, default=32768, help="prompt tokens of the prefill comparison (0: none)")
     ap.add_argument("--rows", nargs="+", default=["native", "cp_compiled", "sdpa_static_compiled", "cp_eager",
                                                   "sdpa_eager"])
@@ -185,6 +234,10 @@ def main():
                 tps, med = tokens_per_s(steps, args.warmup)
                 rows[c].update({f"{row}_tokens_per_s": tps, f"{row}_step_ms": med * 1e3 if med else None,
                                 f"{row}_tokens": toks[:8]})
+                if comp and args.profile_steps and DEVICE == "cuda":
+                    with torch.no_grad():
+                        rows[c][f"{row}_device_ms"] = device_ms_per_step(model, cache, kind, c, args.new_tokens,
+                                                                         args.warmup, args.profile_steps)
             except Exception as e:  # a failing configuration must not lose the others
                 rows[c][f"{row}_error"] = f"{type(e).__name__}: {e}"[:600]
             finally:

@@ -350,7 +350,8 @@ def hf_table(data: dict) -> str:
              f"{data.get('warmup_steps', '?')} left out), the context filled with random K/V; `native` is "
              "`launch/generate.py`'s own model, compiled runs are transformers' compiled generation (CUDA graphs):\n\n")
     header = ["context", "native", "cp_attention + CPCache, compiled", "sdpa + StaticCache, compiled",
-              "cp_attention eager", "sdpa + DynamicCache eager", "compiled / native", "compiled cp / sdpa"]
+              "cp_attention eager", "sdpa + DynamicCache eager", "compiled / native", "compiled cp / sdpa",
+              "compiled cp: GPU ms / step ms"]
 
     def cell(r, n):  # a configuration that raised shows its exception's class (the message is in the JSON)
         err = r.get(f"{n}_error")
@@ -360,7 +361,8 @@ def hf_table(data: dict) -> str:
     for r in data.get("rows", []):
         out.append([tokens(r["context"])] + [cell(r, n) for n in
                                               ("native", "cp_compiled", "sdpa_static_compiled", "cp_eager", "sdpa_eager")]
-                   + [ratio(get(r, "cp_compiled_over_native")), times(get(r, "cp_compiled_over_sdpa_best"))])
+                   + [ratio(get(r, "cp_compiled_over_native")), times(get(r, "cp_compiled_over_sdpa_best")),
+                      f"{ratio(get(r, 'cp_compiled_device_ms'), 2)} / {ratio(get(r, 'cp_compiled_step_ms'), 2)}"])
     text = intro + markdown(header, out)
     pre = data.get("prefill") or {}
     cp, sd = pre.get("cp_attention", {}), pre.get("sdpa", {})

@@ -543,10 +543,9 @@ def cp_kv_append(cache, k_new, v_new) -> None:
     """``cache.append(k_new, v_new)`` while Dynamo traces it (the tokens checked by it)."""
     if k_new.dim() == 3:
         k_new, v_new = k_new.unsqueeze(1), v_new.unsqueeze(1)
-    dense = cache.block_table is None
     ks, ksf = _split_scale(cache.k_scale)
     vs, vsf = _split_scale(cache.v_scale)
-    cp_kv_append_op(k_new, v_new, cache._k if dense else cache.k, cache._v if dense else cache.v, cache.block_table,
+    cp_kv_append_op(k_new, v_new, cache._k, cache._v, cache.block_table,
                     cache.seq_lens, cache.global_seq_lens, cache.rank, cache.world_size, cache.capacity, ks, vs, ksf,
                     vsf)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -137,33 +138,33 @@ def check_kv_scales(k_scale, v_scale, kv_dtype, q_dtype, hkv: int, device) -> in
     return kinds.pop()
 
 
-# CUDA scale tensors whose values were checked: data_ptr -> the tensor version checked (Note on check_scale_values)
+# CUDA scale tensors whose values were checked: id -> (a weak reference to the tensor, the version checked). Keyed
+# by the tensor itself, not its address: a new tensor the allocator places where a checked one lived is checked anew.
 _CHECKED_SCALES: dict = {}
 
 
 def check_scale_values(name: str, sc: torch.Tensor) -> None:
     """The values of an FP8 scale tensor are finite and > 0. A CPU tensor is checked at every call; a CUDA tensor
-    once per (address, in-place version), since reading it is a host sync: again after an in-place update, not
+    once per tensor and in-place version, since reading it is a host sync: again after an in-place update, not
     while a CUDA graph is being captured (a replay reads whatever the tensor holds then), nor for the fake
     tensors of a torch.compile trace."""
     if is_fake(sc):
         return
-    if sc.is_cuda:
-        ptr = sc.data_ptr()
-        if _CHECKED_SCALES.get(ptr) == sc._version or torch.cuda.is_current_stream_capturing():
-            return
+    if sc.is_cuda and (scale_values_checked(sc) or torch.cuda.is_current_stream_capturing()):
+        return
     bad = ~(torch.isfinite(sc) & (sc > 0))
     if bool(bad.any()):
         raise ValueError(f"{name} must hold positive finite scales, got {sc[bad].flatten()[:4].tolist()}")
     if sc.is_cuda:
         if len(_CHECKED_SCALES) > 4096:
             _CHECKED_SCALES.clear()
-        _CHECKED_SCALES[ptr] = sc._version
+        _CHECKED_SCALES[id(sc)] = (weakref.ref(sc), sc._version)
 
 
 def scale_values_checked(sc: torch.Tensor) -> bool:
-    """Whether a CUDA scale tensor's current version was checked (the decode hot path's test)."""
-    return _CHECKED_SCALES.get(sc.data_ptr()) == sc._version
+    """Whether this CUDA scale tensor, at its current version, was checked (the decode hot path's test)."""
+    seen = _CHECKED_SCALES.get(id(sc))
+    return seen is not None and seen[0]() is sc and seen[1] == sc._version
 
 
 def check_variants(window_left, logit_softcap, sinks, hq: int, device) -> None:

@@ -410,3 +410,24 @@ def test_one_warp_kernel_takes_windows_row_limits_and_row_tiles(monkeypatch):
 def test_bad_input(fn, exc, name):
     with pytest.raises(exc, match=rf"^{name}\b"):
         fn()
+
+
+@pytest.mark.gpu
+def test_cuda_scales_checked_per_tensor_and_version():
+    """A CUDA scale tensor's values are checked once per tensor and in-place version: a new tensor that the
+    allocator puts where a checked one lived is checked anew, and so is a checked tensor updated in place."""
+    q, k, v, sl = dense_cache(1, 4, 2, 33, 32, [33], q_rows=None, dtype=torch.bfloat16)
+    k8, v8, _, vs = quantize_kv(k, v, per_head=True)
+    good = torch.full((2,), 0.5, device=DEVICE)
+    flash_decode(q, k8, v8, sl, k_scale=good, v_scale=vs)
+    address = good.data_ptr()
+    del good
+    bad = torch.full((2,), -0.5, device=DEVICE)
+    assert bad.data_ptr() == address  # the caching allocator's reuse, which a check keyed by address would miss
+    with pytest.raises(ValueError, match="^k_scale"):
+        flash_decode(q, k8, v8, sl, k_scale=bad, v_scale=vs)
+    bad.fill_(0.5)
+    flash_decode(q, k8, v8, sl, k_scale=bad, v_scale=vs)
+    bad[1] = float("inf")
+    with pytest.raises(ValueError, match="^k_scale"):
+        flash_decode(q, k8, v8, sl, k_scale=bad, v_scale=vs)

@@ -25,7 +25,7 @@ class CPKVCache:
 
     Attributes:
         k, v: dense: ``[B, Hkv, capacity, D]`` views of this rank's buffers (``capacity = ceil(max_seq_len
-            / W)``); paged (``page_size`` given): page pools ``[num_pages, page_size, Hkv, D]`` (the vLLM /
+            / W)``; the buffers, ``k._base``, have one scratch slot more); paged (``page_size`` given): page pools ``[num_pages, page_size, Hkv, D]`` (the vLLM /
             FlashInfer layout) read through :attr:`block_table`.
         block_table: ``[B, pages_per_sequence]`` int32 (paged), else ``None``.
         kv_layout: ``"HND"`` (dense) or ``"NHD"`` (paged): how :meth:`decode` reads :attr:`k`/:attr:`v`.
@@ -92,19 +92,15 @@ class CPKVCache:
         self.page_size = page_size
         if page_size is None:
             shape = (batch, heads_kv, self.capacity + 1, head_dim)  # + 1: the scratch slot of non-owners
-            self._k = torch.zeros(shape, dtype=dtype, device=device)
-            self._v = torch.zeros(shape, dtype=dtype, device=device)
-            self.k = self._k[:, :, : self.capacity]
-            self.v = self._v[:, :, : self.capacity]
             self.block_table, self.kv_layout = None, "HND"
         else:
             pages = -(-self.capacity // page_size)
             # Sequence b owns pages [b * pages, (b + 1) * pages); the last page is the scratch page.
             shape = (batch * pages + 1, page_size, heads_kv, head_dim)
-            self.k = torch.zeros(shape, dtype=dtype, device=device)
-            self.v = torch.zeros(shape, dtype=dtype, device=device)
             self.block_table = torch.arange(batch * pages, dtype=torch.int32, device=device).view(batch, pages)
             self.kv_layout = "NHD"
+        self._k = torch.zeros(shape, dtype=dtype, device=device)  # the buffers, scratch slot or page included
+        self._v = torch.zeros(shape, dtype=dtype, device=device)
         self.seq_lens = torch.zeros(batch, dtype=torch.int32, device=device)
         self.global_seq_lens = torch.zeros(batch, dtype=torch.int64, device=device)
         self._batch_idx = torch.arange(batch, device=device)
@@ -200,9 +196,10 @@ class CPKVCache:
         device, never written out of bounds), and may bring the count up to date outside the compiled
         code with ``cache.set_lengths(cache.global_seq_lens)`` (one host sync). For
         ``mode="reduce-overhead"`` (CUDA graphs), first mark the tensors the graph mutates static with
-        ``torch._dynamo.mark_static_address``: ``k``, ``v`` (and for a dense cache ``k._base``,
-        ``v._base``, the buffers with the scratch slot), ``seq_lens`` and ``global_seq_lens``; and make one
-        eager :meth:`decode` call of each query shape, which allocates the exchange's buffers."""
+        ``torch._dynamo.mark_static_address``: the buffers (paged: ``k`` and ``v``; dense: ``k._base`` and
+        ``v._base``, the buffers with the scratch slot, of which ``k`` and ``v`` are views made at each
+        read), ``seq_lens`` and ``global_seq_lens``; and make one eager :meth:`decode` call of each query
+        shape, which allocates the exchange's buffers."""
         check_inference("CPKVCache.append", ("k_new", "v_new"), k_new, v_new)
         b, hkv, d = self.seq_lens.shape[0], self._heads_kv, self._head_dim
         dtypes = (self.k.dtype,) + (FLOAT_DTYPES if self.k.dtype in FP8_DTYPES else ())
@@ -291,6 +288,16 @@ class CPKVCache:
                          row_limits=row_limits, span=span, window_left=window, global_lens=self.global_seq_lens,
                          what="CPKVCache.decode",
                          kwargs=dict(kwargs, block_table=self.block_table, kv_layout=self.kv_layout))
+
+    # A dense cache's k/v are views made from the buffers at each read, never kept: traced code then takes the
+    # buffers alone as graph inputs (an input aliasing another, mutated one, keeps CUDA graphs out).
+    @property
+    def k(self) -> torch.Tensor:
+        return self._k[:, :, : self.capacity] if self.block_table is None else self._k
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self._v[:, :, : self.capacity] if self.block_table is None else self._v
 
     @property
     def _heads_kv(self) -> int:
