@@ -204,6 +204,10 @@ def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num
             or ``[Hkv]`` float32 tensors (per KV head). The key used is ``k.float() * k_scale``, the value
             ``v.float() * v_scale``; the kernel dequantises in registers (``k_scale`` folds into the score
             scale and ``v_scale`` into the output). :func:`cp_attention.quantize_kv` makes such caches.
+            Scales must be finite and > 0 (``ValueError`` otherwise): floats and CPU tensors are checked at
+            every call; a CUDA tensor at its first use and after each in-place update (reading it is a host
+            sync), not inside CUDA-graph capture or a torch.compile trace, where a replay reads the values
+            the tensor holds then.
         window_left: ``W`` (int >= 0): the query at position ``p`` sees only the keys at ``[p - W, p]`` (a
             single-row query sits at ``seq_len - 1``, row ``i`` of ``Q`` at ``seq_len - Q + i``). Only the
             splits and tiles the window reaches are read. ``None``: no window.
