@@ -25,8 +25,9 @@ class CPKVCache:
 
     Attributes:
         k, v: dense: ``[B, Hkv, capacity, D]`` views of this rank's buffers (``capacity = ceil(max_seq_len
-            / W)``; the buffers, ``k._base``, have one scratch slot more); paged (``page_size`` given): page pools ``[num_pages, page_size, Hkv, D]`` (the vLLM /
-            FlashInfer layout) read through :attr:`block_table`.
+            / W)``; the buffers, ``k._base``, have one scratch slot more); paged (``page_size`` given): page
+            pools ``[num_pages, page_size, Hkv, D]`` (the vLLM / FlashInfer layout) read through
+            :attr:`block_table`.
         block_table: ``[B, pages_per_sequence]`` int32 (paged), else ``None``.
         kv_layout: ``"HND"`` (dense) or ``"NHD"`` (paged): how :meth:`decode` reads :attr:`k`/:attr:`v`.
         seq_lens: ``[B]`` int32 on ``device``: valid tokens of this shard.
@@ -146,19 +147,19 @@ class CPKVCache:
             self._v[b_idx, :, slot] = v_rows
         else:
             page_col = (slots // self.page_size).clamp(max=self.block_table.shape[1] - 1)
-            page = torch.where(mine, self.block_table[b_idx, page_col].long(), self.k.shape[0] - 1)
+            page = torch.where(mine, self.block_table[b_idx, page_col].long(), self._k.shape[0] - 1)
             off = torch.where(mine, slots % self.page_size, 0)
-            self.k[page, off] = k_rows
-            self.v[page, off] = v_rows
+            self._k[page, off] = k_rows
+            self._v[page, off] = v_rows
 
     def _quantized(self, k_rows, v_rows):
         """``k_rows``/``v_rows [B, n, Hkv, D]`` in the cache's dtype: float rows quantised with the scales of an
         FP8 cache, others as they are."""
-        if self.k.dtype not in FP8_DTYPES or k_rows.dtype in FP8_DTYPES:
+        if self._k.dtype not in FP8_DTYPES or k_rows.dtype in FP8_DTYPES:
             return k_rows, v_rows
         from ..quant import quantize
 
-        return tuple(quantize(x, torch.as_tensor(sc, dtype=torch.float32, device=x.device), self.k.dtype, 2)
+        return tuple(quantize(x, torch.as_tensor(sc, dtype=torch.float32, device=x.device), self._k.dtype, 2)
                      for x, sc in ((k_rows, self.k_scale), (v_rows, self.v_scale)))
 
     def set_lengths(self, seq_lens) -> None:
@@ -202,9 +203,9 @@ class CPKVCache:
         shape, which allocates the exchange's buffers."""
         check_inference("CPKVCache.append", ("k_new", "v_new"), k_new, v_new)
         b, hkv, d = self.seq_lens.shape[0], self._heads_kv, self._head_dim
-        dtypes = (self.k.dtype,) + (FLOAT_DTYPES if self.k.dtype in FP8_DTYPES else ())
+        dtypes = (self._k.dtype,) + (FLOAT_DTYPES if self._k.dtype in FP8_DTYPES else ())
         for name, t in (("k_new", k_new), ("v_new", v_new)):
-            check_tensor(name, t, dtypes=dtypes, device=self.k.device)
+            check_tensor(name, t, dtypes=dtypes, device=self._k.device)
             check_unit_stride(name, t)
             if t.dim() == 3:
                 t = t.unsqueeze(1)
@@ -221,14 +222,14 @@ class CPKVCache:
         if self.free_slots < n:
             raise RuntimeError(f"CPKVCache is full: {n} more tokens would pass max_seq_len = {self.max_seq_len} "
                                f"({self.free_slots} free)")
-        if _device.use_triton(self.k):
+        if _device.use_triton(self._k):
             from ..ops.append import append_tokens
 
             k_new, v_new = self._quantized(k_new, v_new)
             append_tokens(k_new, v_new, self.k, self.v, self.block_table, self.seq_lens, self.global_seq_lens,
                           self.rank, self.world_size, self.capacity)
         else:
-            pos = self.global_seq_lens[:, None] + torch.arange(n, device=self.k.device)  # [B, n] global positions
+            pos = self.global_seq_lens[:, None] + torch.arange(n, device=self._k.device)  # [B, n] global positions
             slots = torch.div(pos, self.world_size, rounding_mode="floor")
             mine = (pos.remainder(self.world_size) == self.rank) & (slots < self.capacity)
             self._store(slots, mine, k_new, v_new)
@@ -301,8 +302,8 @@ class CPKVCache:
 
     @property
     def _heads_kv(self) -> int:
-        return self.k.shape[1] if self.block_table is None else self.k.shape[2]
+        return self._k.shape[1] if self.block_table is None else self._k.shape[2]
 
     @property
     def _head_dim(self) -> int:
-        return self.k.shape[3]
+        return self._k.shape[3]
