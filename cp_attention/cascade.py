@@ -28,11 +28,13 @@ CUDA tensors, so a call can be captured in a CUDA graph.
 Overlap. A shared level is bound by the tensor cores (one 128-row program per SM, one wave), a
 per-request level by bytes. On CUDA the shared levels are launched first and the per-request levels on a
 side stream forked before them and joined before the merge, so the per-request programs can run beside
-the shared ones on the SMs and read with the bandwidth the shared kernel leaves idle (docs/tuning.md has the
-figures: a few percent up to B = 64, little at B = 128, where the per-request programs do not get onto the
-SMs of the 128-row programs). The kernels and the slots
-are the same either way, so the result is bitwise the same. In a CUDA graph the fork and join are
-captured as two branches.
+the shared ones on the SMs and read with the bandwidth the shared kernel leaves idle (5-10% of the step:
+docs/tuning.md). The kernels and the slots are the same either way, so the result is bitwise the same. In a CUDA graph the fork and join are
+captured as two branches, which become ready together, when the kernel before the fork completes; the
+overlap needs the shared level's programs placed first. So the shared-segment kernel is launched with
+programmatic dependent launch (Note [Programmatic dependent launch] in ``ops/split_kv.py``: it is placed
+while the kernel ahead finishes, and waits for it before reading), and the per-request levels on the side
+stream without it (placed early, their many programs would take the SMs first and serialise the levels).
 """
 from __future__ import annotations
 
@@ -171,6 +173,7 @@ def _cascade_triton(q, work, last, scale, scales, softcap, sinks, fixed_splits, 
     shared = [i for i, plan in enumerate(plans) if plan is not None]
     own = [i for i, plan in enumerate(plans) if plan is None]
     side = _side_stream(q.device) if q.is_cuda and shared and own else None
+    pdl = _device.use_pdl(q.device)
     if side is not None:
         side.wait_stream(torch.cuda.current_stream(q.device))  # the fork, before the shared levels' launches
     for i in shared:
@@ -183,7 +186,7 @@ def _cascade_triton(q, work, last, scale, scales, softcap, sinks, fixed_splits, 
         end = slot + plan.num_splits
         prefix_attention(q, lvl.k, lvl.v, lvl.seq_lens, lvl.block_table, perm, tiles, o_all[slot:end],
                          lse_all[slot:end], sm_scale=scale, plan=plan, kv_layout=layout, causal=lv is last,
-                         k_scale=k_scale, v_scale=v_scale, kv_scale=kv_scale, logit_softcap=softcap)
+                         k_scale=k_scale, v_scale=v_scale, kv_scale=kv_scale, logit_softcap=softcap, pdl=pdl)
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
         for i in own:  # each level's fp32 state goes straight into its slot, unrounded
             lv, slot = work[i], starts[i]
@@ -192,7 +195,8 @@ def _cascade_triton(q, work, last, scale, scales, softcap, sinks, fixed_splits, 
             limits = _all_visible(q, lv.t_max) if q_rows > 1 and lv is not last else None
             flash_decode(q, lvl.k, lvl.v, lvl.seq_lens, block_table=lvl.block_table, kv_layout=layout,
                          sm_scale=scale, k_scale=k_scale, v_scale=v_scale, logit_softcap=softcap, row_limits=limits,
-                         out=AttentionState(o_all[slot].view(q.shape), lse_all[slot].view(q.shape[:-1])))
+                         out=AttentionState(o_all[slot].view(q.shape), lse_all[slot].view(q.shape[:-1])),
+                         _pdl=side is None)
     if side is not None:
         torch.cuda.current_stream(q.device).wait_stream(side)  # the join, before the merge
     if out is None:

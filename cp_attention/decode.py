@@ -71,7 +71,7 @@ def _contiguous_strides(shape) -> tuple:
 
 
 def _prepare(q, k, v, seq_lens, block_table, row_limits, sinks, scales, num_splits, kv_layout, plan, o, lse,
-             geo: CacheGeometry, window_left, softcap: bool, span, split_size) -> _Prepared:
+             geo: CacheGeometry, window_left, softcap: bool, span, split_size, pdl: bool = True) -> _Prepared:
     from .ops.split_kv import decode_launchers
 
     b, hq, d = q.shape[0], q.shape[-2], q.shape[-1]
@@ -86,7 +86,8 @@ def _prepare(q, k, v, seq_lens, block_table, row_limits, sinks, scales, num_spli
     launcher, combine, work = decode_launchers(
         q, k, v, seq_lens, block_table, row_limits, sinks, scales, kv_layout, plan, o_strides, lse_strides,
         hkv=geo.hkv, q_rows=geo.q_rows, t_max=geo.t_max, page_size=geo.page_size, num_pages=geo.num_pages,
-        kv_scale=geo.kv_scale, window_left=window_left, softcap=softcap, device=cuda, pdl=_device.use_pdl(q.device))
+        kv_scale=geo.kv_scale, window_left=window_left, softcap=softcap, device=cuda,
+        pdl=pdl and _device.use_pdl(q.device))
     return _Prepared(launcher, combine, cuda, q.device, tuple(q.shape), q.dtype, o_like_q, lse_shape,
                      1.0 / math.sqrt(d), work, math.prod(lse_shape), b > 0)
 
@@ -153,7 +154,7 @@ def _out_key(out) -> tuple:
 
 
 def _rare_key(block_table, k_scale, v_scale, window_left, logit_softcap, sinks, plan, num_splits, split_size,
-              row_limits, span, export) -> tuple:
+              row_limits, span, export, pdl) -> tuple:
     """The key's part for the less common arguments (one of them is given). Python values go in with their
     class (``num_splits=2.0`` equals ``2`` but is refused), those read at every call (scales, softcap) by
     class only. Anything unexpected raises, and the call then takes the checked path."""
@@ -162,12 +163,13 @@ def _rare_key(block_table, k_scale, v_scale, window_left, logit_softcap, sinks, 
             _sig(v_scale) if isinstance(v_scale, torch.Tensor) else v_scale.__class__,
             window_left.__class__, window_left, logit_softcap.__class__, plan.__class__, plan,
             num_splits.__class__, num_splits, split_size.__class__, split_size, span,
-            None if export is None else export.data_ptr() & 15)
+            None if export is None else export.data_ptr() & 15, pdl)
 
 
 def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num_splits=None, kv_layout="HND",
                  split_size=None, k_scale=None, v_scale=None, window_left=None, logit_softcap=None, sinks=None,
-                 return_lse=False, out=None, plan=None, row_limits=None, _span=None, _export=None, _geo=None):
+                 return_lse=False, out=None, plan=None, row_limits=None, _span=None, _export=None, _geo=None,
+                 _pdl=True):
     """Exact decode attention over a KV cache, dense or paged, for one or a few new tokens per request
     (Flash-Decoding, one launch).
 
@@ -265,9 +267,10 @@ def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num
                    v.shape, v.stride(), v.dtype, v.device, vp & 15, kv_layout, sl_key, out_key)
             if not (block_table is None and k_scale is None and v_scale is None and window_left is None
                     and logit_softcap is None and sinks is None and plan is None and num_splits is None
-                    and split_size is None and row_limits is None and _span is None and _export is None):
+                    and split_size is None and row_limits is None and _span is None and _export is None
+                    and _pdl is True):
                 key = (key, _rare_key(block_table, k_scale, v_scale, window_left, logit_softcap, sinks, plan,
-                                      num_splits, split_size, row_limits, _span, _export))
+                                      num_splits, split_size, row_limits, _span, _export, _pdl))
             last = _LAST
             if key == last[0]:
                 prep = last[1]
@@ -280,7 +283,7 @@ def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num
     if prep is None or prep.cuda is None:
         return _checked_call(q, k, v, seq_lens, block_table, sm_scale, num_splits, kv_layout, split_size, k_scale,
                              v_scale, window_left, logit_softcap, sinks, return_lse, out, plan, row_limits, _span,
-                             _export, key, prep, _geo)
+                             _export, key, prep, _geo, _pdl)
 
     # A CUDA call whose key a validated call prepared: only what the key does not fix is checked.
     if return_lse is not False and return_lse is not True:
@@ -362,7 +365,8 @@ def _launch(prep: _Prepared, scratch: _Scratch, q, k, v, seq_lens, block_table, 
 
 
 def _checked_call(q, k, v, seq_lens, block_table, sm_scale, num_splits, kv_layout, split_size, k_scale, v_scale,
-                  window_left, logit_softcap, sinks, return_lse, out, plan, row_limits, span, export, key, prep, geo):
+                  window_left, logit_softcap, sinks, return_lse, out, plan, row_limits, span, export, key, prep, geo,
+                  pdl=True):
     """Every check (unless a caller that checked them gives their result ``geo``), then the torch path, or the
     kernels with ``prep`` (prepared now when None; kept under ``key`` unless None). Host tensors (the
     interpreter) come here at every call: their index values are checked each time."""
@@ -374,17 +378,19 @@ def _checked_call(q, k, v, seq_lens, block_table, sm_scale, num_splits, kv_layou
     return decode_checked(q, k, v, seq_lens, geo, block_table=block_table, sm_scale=sm_scale, num_splits=num_splits,
                           kv_layout=kv_layout, split_size=split_size, k_scale=k_scale, v_scale=v_scale,
                           window_left=window_left, logit_softcap=logit_softcap, sinks=sinks, return_lse=return_lse,
-                          out=out, plan=plan, row_limits=row_limits, span=span, export=export, key=key, prep=prep)
+                          out=out, plan=plan, row_limits=row_limits, span=span, export=export, key=key, prep=prep,
+                          pdl=pdl)
 
 
 def decode_checked(q, k, v, seq_lens, geo: CacheGeometry, *, block_table=None, sm_scale=None, num_splits=None,
                    kv_layout="HND", split_size=None, k_scale=None, v_scale=None, window_left=None, logit_softcap=None,
                    sinks=None, return_lse=False, out=None, plan=None, row_limits=None, span=None, export=None,
-                   key=None, prep=None):
+                   key=None, prep=None, pdl=True):
     """:func:`flash_decode` of arguments that :func:`~cp_attention._validate.check_decode_args` accepted (its
     result ``geo``): the torch path, or the kernels (prepared now unless ``prep`` is given; kept under ``key``
     unless None). ``export``: an fp32 buffer that receives the deterministic splits' states instead of the
-    combine (context parallelism, Note [Deterministic splits])."""
+    combine (context parallelism, Note [Deterministic splits]). ``pdl=False``: launched without programmatic
+    dependent launch (the per-request levels of a cascade, Note [Cascade attention])."""
     o_out, lse_out = (None, None) if out is None else unpack_out(out)
     if not use_triton(q):
         k, v = dequantize(k, v, k_scale, v_scale, kv_layout)
@@ -411,7 +417,8 @@ def decode_checked(q, k, v, seq_lens, geo: CacheGeometry, *, block_table=None, s
     new = prep is None
     if new:
         prep = _prepare(q, k, v, seq_lens, block_table, row_limits, sinks, (k_scale, v_scale), num_splits,
-                        kv_layout, plan, o_out, lse_out, geo, window_left, logit_softcap is not None, span, split_size)
+                        kv_layout, plan, o_out, lse_out, geo, window_left, logit_softcap is not None, span, split_size,
+                        pdl)
     if o_out is not None:
         o = o_out
     else:

@@ -148,11 +148,12 @@ SYMM_MERGE = [_symm(32, 2, False), _symm(512, 8, True), _symm(2048, 2, False), _
               _symm(4096, 2, False, pushed=True), _symm(4096, 4, True, pushed=True)]
 
 
-def _prefix(has_seq_lens, has_segments, page, q_rows, kv, softcap):
+def _prefix(has_seq_lens, has_segments, page, q_rows, kv, softcap, pdl=False):
     group = 4
     constexprs, options = prefix.prefix_launch_config(
         torch.bfloat16, group, q_rows, 128, page, prefix_config(128, torch.bfloat16, 512), has_seq_lens=has_seq_lens,
-        has_segments=has_segments, paged=page > 1, causal=True, softcap=softcap, kv_scale=0 if kv == "bf16" else 2)
+        has_segments=has_segments, paged=page > 1, causal=True, softcap=softcap, kv_scale=0 if kv == "bf16" else 2,
+        pdl=pdl)
     return {"kernel": prefix._prefix_kernel,
             "signature": {"Q": "*bf16", "K": f"*{kv}", "V": f"*{kv}", "SEQ_LENS": "*i32", "BLOCK_TABLE": "*i32",
                           "PERM": "*i64", "TILES": "*i32", "K_SCALE": "*fp32", "V_SCALE": "*fp32", "O_PART": "*fp32",
@@ -162,9 +163,11 @@ def _prefix(has_seq_lens, has_segments, page, q_rows, kv, softcap):
 
 
 # one segment read by all, dense; segments with ids and lengths; paged segments with 4 causal rows; paged FP8
-# segments with per-head scales and a logit softcap (bf16 queries, D = 128, Hq/Hkv = 4, 128-row tiles)
+# segments with per-head scales and a logit softcap (bf16 queries, D = 128, Hq/Hkv = 4, 128-row tiles); the first
+# as cascade_decode launches it on sm_90 (programmatic dependent launch)
 PREFIX = [_prefix(False, False, 1, 1, "bf16", False), _prefix(True, True, 1, 1, "bf16", False),
-          _prefix(True, True, 16, 4, "bf16", False), _prefix(True, True, 16, 1, "fp8e4nv", True)]
+          _prefix(True, True, 16, 4, "bf16", False), _prefix(True, True, 16, 1, "fp8e4nv", True),
+          _prefix(False, False, 1, 1, "bf16", False, pdl=True)]
 
 
 def _append(paged):

@@ -31,10 +31,12 @@ is written, so the workspace needs no initialisation.
 import triton
 import triton.language as tl
 
+from triton.language.extra.cuda import gdc_wait
+
 from .. import _constants
 from .._device import next_pow2
 from ._dot import dot_flags
-from ._launch import launch
+from ._launch import launch, pdl_options
 from ._state import attend_tiles, fp16_query, kv_bases, score_scales, split_range
 
 
@@ -50,7 +52,10 @@ def _prefix_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_SEQ_LENS: tl.constexpr, HAS_SEGMENTS: tl.constexpr, IS_PAGED: tl.constexpr, IS_CAUSAL: tl.constexpr,
     SOFTCAP: tl.constexpr, KV_SCALE: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # Note [Programmatic dependent launch] (ops/split_kv.py): nothing is read before the kernel ahead is done
+        gdc_wait()
     RPR: tl.constexpr = Q_ROWS * GROUP_SIZE  # rows per request and KV head
     i_t = tl.program_id(0)
     i_s = tl.program_id(1)
@@ -107,7 +112,8 @@ def _prefix_kernel(
 
 
 def prefix_attention(q, k, v, seq_lens, block_table, perm, tiles, o_part, lse_part, *, sm_scale, plan,
-                     kv_layout="HND", causal=False, k_scale=None, v_scale=None, kv_scale=0, logit_softcap=None):
+                     kv_layout="HND", causal=False, k_scale=None, v_scale=None, kv_scale=0, logit_softcap=None,
+                     pdl=False):
     """Launch the shared-segment kernel; inputs were validated by :func:`cp_attention.cascade_decode`.
 
     ``q [B, Hq, D]`` or ``[B, Q, Hq, D]``; ``k``/``v``: segments ``[S, Hkv, T, D]`` (``kv_layout="HND"``) or
@@ -118,7 +124,8 @@ def prefix_attention(q, k, v, seq_lens, block_table, perm, tiles, o_part, lse_pa
     causal rule of multi-row queries on this level; FP8 segments: ``k_scale``/``v_scale`` floats
     (``kv_scale`` 1) or 0-d/``[Hkv]`` float32 tensors (``kv_scale`` 2); ``logit_softcap``: scores ``c *
     tanh(s / c)``. Writes ``o_part [num_splits, B * Q * Hq, D]`` float32
-    and ``lse_part [num_splits, B * Q * Hq]`` float32 (natural log), unit stride in D.
+    and ``lse_part [num_splits, B * Q * Hq]`` float32 (natural log), unit stride in D. ``pdl``: launched with
+    programmatic dependent launch (compute capability 9.0 or more; see Note [Cascade attention]).
     """
     batch, hq, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
     q_rows = q.shape[1] if q.dim() == 4 else 1
@@ -139,7 +146,7 @@ def prefix_attention(q, k, v, seq_lens, block_table, perm, tiles, o_part, lse_pa
     scale_strides = [(sc.stride(0) if sc.dim() else 0) if tensors else 0 for sc in (k_scale, v_scale)]
     constexprs, options = prefix_launch_config(
         q.dtype, hq // hkv, q_rows, head_dim, page_size, cfg, has_seq_lens=seq_lens is not None,
-        has_segments=has_segments, paged=paged, causal=causal, softcap=bool(logit_softcap), kv_scale=kv_scale)
+        has_segments=has_segments, paged=paged, causal=causal, softcap=bool(logit_softcap), kv_scale=kv_scale, pdl=pdl)
     launch(
         _prefix_kernel, (plan.n_tiles, plan.num_splits, hkv),
         (q, k, v, seq_lens if seq_lens is not None else q, block_table if paged else q,
@@ -156,11 +163,12 @@ def prefix_attention(q, k, v, seq_lens, block_table, perm, tiles, o_part, lse_pa
 
 
 def prefix_launch_config(dtype, group: int, q_rows: int, head_dim: int, page_size: int, cfg, *, has_seq_lens: bool,
-                         has_segments: bool, paged: bool, causal: bool, softcap: bool, kv_scale: int) -> tuple:
+                         has_segments: bool, paged: bool, causal: bool, softcap: bool, kv_scale: int,
+                         pdl: bool = False) -> tuple:
     """``(constexprs, options)`` of :func:`_prefix_kernel` for a :class:`~cp_attention.heuristics.PrefixConfig`
-    ``cfg`` (``page_size`` 1 for a dense level)."""
+    ``cfg`` (``page_size`` 1 for a dense level); ``pdl``: programmatic dependent launch."""
     return (dict(GROUP_SIZE=group, Q_ROWS=q_rows, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=next_pow2(head_dim),
                  HAS_SEQ_LENS=has_seq_lens, HAS_SEGMENTS=has_segments, IS_PAGED=paged,
-                 IS_CAUSAL=causal and q_rows > 1, SOFTCAP=softcap, KV_SCALE=kv_scale, **dot_flags(dtype)),
-            dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+                 IS_CAUSAL=causal and q_rows > 1, SOFTCAP=softcap, KV_SCALE=kv_scale, **dot_flags(dtype), PDL=pdl),
+            pdl_options(pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages))
