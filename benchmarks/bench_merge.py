@@ -84,7 +84,7 @@ def plot(rows, path):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--states", type=int, nargs="+", default=[2, 8, 32])
+    ap.add_argument("--states", type=int, nargs="+", default=[2, 4, 8, 16, 32])
     ap.add_argument("--shape", type=int, nargs=3, default=[64, 32, 128], metavar=("B", "H", "D"))
     args = ap.parse_args()
     b, h, d = args.shape

@@ -232,12 +232,14 @@ def variants_table(data: dict) -> str:
 
 def merge_table(data: dict) -> str:
     """bench_merge.py: ⊕ over N states."""
-    header = ["o dtype", "N", "cp_attention", "FlashInfer merge_states", "plain torch", "cp_attention per call"]
+    header = ["o dtype", "N", "cp_attention", "FlashInfer merge_states", "plain torch", "cp_attention per call",
+              "FlashInfer per call"]
     out = []
     for r in data["rows"]:
         vals = [get(r, "cp_attention_graph_us"), get(r, "flashinfer_graph_us"), get(r, "torch_graph_us")]
+        calls = [get(r, "cp_attention_call_us"), get(r, "flashinfer_call_us")]
         out.append([r["dtype"], str(r["N"]), *bold_min([us(v) for v in vals], vals),
-                    us(get(r, "cp_attention_call_us"))])
+                    *bold_min([us(v) for v in calls], calls)])
     return markdown(header, out)
 
 
