@@ -29,26 +29,38 @@ Overlap. A shared level is bound by the tensor cores (one 128-row program per SM
 per-request level by bytes. On CUDA the shared levels are launched first and the per-request levels on a
 side stream forked before them and joined before the merge, so the per-request programs can run beside
 the shared ones on the SMs and read with the bandwidth the shared kernel leaves idle (5-10% of the step:
-docs/tuning.md). The kernels and the slots are the same either way, so the result is bitwise the same. In a CUDA graph the fork and join are
-captured as two branches, which become ready together, when the kernel before the fork completes; the
-overlap needs the shared level's programs placed first. So the shared-segment kernel is launched with
-programmatic dependent launch (Note [Programmatic dependent launch] in ``ops/split_kv.py``: it is placed
-while the kernel ahead finishes, and waits for it before reading), and the per-request levels on the side
-stream without it (placed early, their many programs would take the SMs first and serialise the levels).
+docs/tuning.md). The kernels and the slots are the same either way, so the result is bitwise the same. In
+a CUDA graph the fork and join are captured as two branches, which become ready together, when the kernel
+before the fork completes; the overlap needs the shared level's programs placed first. So the
+shared-segment kernel is launched with programmatic dependent launch (Note [Programmatic dependent launch]
+in ``ops/split_kv.py``: it is placed while the kernel ahead finishes, and waits for it before reading), and
+the per-request levels on the side stream without it (placed early, their many programs would take the SMs
+first and serialise the levels).
+
+Eager calls. As in Note [The decode hot path] (``decode.py``), a call reads every tensor argument's shape,
+strides, dtype, device and 16-byte alignment, and the other arguments' classes, into one key; a CUDA call
+whose key a validated call prepared skips the checks and replays what that call prepared (``_Prepared``:
+the levels' kinds, the plans, the workspace slots, the shared-segment and merge kernels'
+:class:`~cp_attention.ops._launch.Launcher` objects with their integer arguments bound), launching with the
+tensors' pointers. What the key does not fix (``sm_scale``, ``return_lse``, the softcap's and float FP8
+scales' values, tensor scales' values once per version) is checked at every call; the per-request levels go
+through ``flash_decode``'s own hot path. Host tensors (the interpreter) are checked in full at every call.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from typing import NamedTuple, Optional
 
 import torch
 
 from . import _device, _library
-from ._constants import FP8_DTYPES
+from ._constants import FP8_DTYPES, LOG2E
 from ._device import use_triton
-from ._validate import PER_REQUEST, SEGMENTS, SHARED_ALL, check_cascade_args, check_inference, resolve_sm_scale
-from .decode import flash_decode
+from ._validate import (PER_REQUEST, SEGMENTS, SHARED_ALL, check_bool, check_cascade_args, check_inference,
+                        check_scale_values, resolve_sm_scale, scale_values_checked)
+from .decode import _opt_sig, _scalars, _sig, flash_decode
 from .heuristics import prefix_plan
 from .quant import dequantize
 from .state import AttentionState, merge_states
@@ -117,24 +129,83 @@ def cascade_decode(q, levels, *, sm_scale=None, k_scale=None, v_scale=None, logi
     if torch.compiler.is_compiling():  # Dynamo traces: the op (Note [Custom ops under torch.compile], _library.py)
         return _library.cascade_decode(q, levels, sm_scale, k_scale, v_scale, logit_softcap, sinks, return_lse,
                                        (_num_splits, _config, _out))
+    plain = _checked is None and _out is None and _num_splits is None and _config is None
+    key = prep = None
+    if plain and q.__class__ is torch.Tensor:  # Note [Cascade attention], eager calls
+        try:
+            key = _key(q, levels, sm_scale, k_scale, v_scale, logit_softcap, sinks)
+            prep = _PREPARED.get(key)
+        except (AttributeError, TypeError, ValueError, RuntimeError):  # the checks say what is wrong
+            key = prep = None
+    if prep is not None and prep.cuda is not None:
+        # A CUDA call whose key a validated call prepared: only what the key does not fix is checked.
+        if return_lse is not False and return_lse is not True:
+            check_bool("return_lse", return_lse)
+        scale = _scalars(prep.sm_scale, sm_scale, logit_softcap, k_scale, v_scale)[0]
+        if isinstance(k_scale, torch.Tensor) and not (scale_values_checked(k_scale) and scale_values_checked(v_scale)):
+            check_scale_values("k_scale", k_scale)  # once per tensor version, as flash_decode
+            check_scale_values("v_scale", v_scale)
+        st = _run(prep, q, levels, scale, (k_scale, v_scale), logit_softcap, sinks, None)
+        return st if return_lse else st.o
     if _checked is None:  # (a context-parallel caller checked them in its agreement collective)
         _checked = check_cascade_args(q, levels, sm_scale=sm_scale, return_lse=return_lse, k_scale=k_scale,
                                       v_scale=v_scale, logit_softcap=logit_softcap, sinks=sinks)
     checked, kv_scale = _checked
     scale = resolve_sm_scale(sm_scale, q.shape[-1])
-    scales = (k_scale, v_scale, kv_scale)
-    last = checked[-1]
     # Levels without positions add nothing to any request.
-    work = [lv for lv in checked if lv.t_max > 0]
-    if use_triton(q) and q.numel() > 0 and work:
-        st = _cascade_triton(q, work, last, scale, scales, logit_softcap, sinks, _num_splits, _config, _out)
+    if use_triton(q) and q.numel() > 0 and any(lv.t_max > 0 for lv in checked):
+        prep = _prepare(q, checked, (k_scale, v_scale, kv_scale), logit_softcap is not None, sinks, _num_splits,
+                        _config, _out is None)
+        st = _run(prep, q, levels, scale, (k_scale, v_scale), logit_softcap, sinks, _out)
+        if key is not None and prep.cuda is not None:
+            if len(_PREPARED) >= _MAX_PREPARED:
+                _PREPARED.clear()
+            _PREPARED[key] = prep
     else:  # the torch path (fp32), or nothing to read
-        st = _cascade_torch(q, work, last, scale, scales, logit_softcap, sinks)
+        work = [lv for lv in checked if lv.t_max > 0]
+        st = _cascade_torch(q, work, checked[-1], scale, (k_scale, v_scale, kv_scale), logit_softcap, sinks)
         if _out is not None:
             st = AttentionState(_out[0].copy_(st.o.reshape(_out[0].shape)), _out[1].copy_(st.lse.reshape(-1)))
         else:
             st = AttentionState(st.o.to(q.dtype), st.lse)
     return st if return_lse else st.o
+
+
+class _Prepared(NamedTuple):
+    """What a validated Triton call of a given key launches (Note [Cascade attention], eager calls)."""
+
+    work: tuple  # per level with positions: (index in levels, kind, segments, T_max, FP8, the last level)
+    launchers: tuple  # per work level: its shared-segment kernel's Launcher, or None for a per-request level
+    starts: tuple  # each work level's first workspace slot, then the slot count
+    merge: object  # the merge kernel's Launcher (None when the caller gives the output)
+    side: bool  # the per-request levels run on the side stream
+    kv_scale: int  # FP8 scales: 0 none, 1 floats, 2 tensors
+    rows: int  # B * Q * Hq
+    q_rows: int
+    cuda: int | None  # CUDA device index; None: the interpreter
+    sm_scale: float  # the default, 1 / sqrt(D)
+
+
+_PREPARED: dict = {}
+_MAX_PREPARED = 1024
+
+
+def _key(q, levels, sm_scale, k_scale, v_scale, logit_softcap, sinks) -> tuple:
+    """What a prepared call depends on (Note [Cascade attention], eager calls): every tensor's shape,
+    strides, dtype, device and 16-byte alignment; the Python arguments' classes (their values are checked at
+    every call). Raises on what is not a list of :class:`CascadeLevel` (the call then takes the checked
+    path)."""
+    if levels.__class__ is not list and levels.__class__ is not tuple:
+        raise TypeError("levels")
+    lv = []
+    for lvl in levels:
+        if lvl.__class__ is not CascadeLevel:
+            raise TypeError("levels")
+        lv.append((_sig(lvl.k), _sig(lvl.v), _opt_sig(lvl.seq_lens), _opt_sig(lvl.segment_ids),
+                   _opt_sig(lvl.block_table)))
+    return (_sig(q), tuple(lv), sm_scale.__class__, logit_softcap.__class__, _opt_sig(sinks),
+            _sig(k_scale) if isinstance(k_scale, torch.Tensor) else k_scale.__class__,
+            _sig(v_scale) if isinstance(v_scale, torch.Tensor) else v_scale.__class__)
 
 
 def _all_visible(q, t_max):
@@ -144,65 +215,117 @@ def _all_visible(q, t_max):
     return limits
 
 
-def _cascade_triton(q, work, last, scale, scales, softcap, sinks, fixed_splits, config, out) -> AttentionState:
-    from .ops.merge import merge_states_into
-    from .ops.prefix import prefix_attention
+def _prepare(q, checked, scales, softcap: bool, sinks, fixed_splits, config, merge: bool) -> _Prepared:
+    """The plans and launchers of a validated call on the Triton kernels (``checked``: its
+    :class:`~cp_attention._validate.Level` list; ``scales``: ``(k_scale, v_scale, kv_scale mode)``); ``merge``:
+    the call allocates its output (no ``_out``)."""
+    from .ops.merge import merge_launcher
+    from .ops.prefix import prefix_launcher
 
     b, hq, d = q.shape[0], q.shape[-2], q.shape[-1]
     q_rows = q.shape[1] if q.dim() == 4 else 1
-    lvl0 = work[0].lvl
+    rows = q.numel() // d  # B * Q * Hq
+    cuda = q.get_device() if q.is_cuda else None
+    work = [(i, lv) for i, lv in enumerate(checked) if lv.t_max > 0]
+    lvl0 = work[0][1].lvl
     hkv = lvl0.k.shape[2] if lvl0.block_table is not None else lvl0.k.shape[1]
     group = hq // hkv
     sms = _device.num_sms(q.device)
+    pdl = _device.use_pdl(q.device)
     plans = []  # PrefixPlan, or None for a per-request level
-    for lv in work:
+    for _, lv in work:
         if lv.kind == PER_REQUEST:
             plans.append(None)
             continue
         # Segments read by some request: at most min(S, B); 1 when every request reads the one segment.
         n_read = 1 if lv.kind == SHARED_ALL else min(lv.n_seg, b)
         plans.append(prefix_plan(b, q_rows * group, hkv, n_read, lv.t_max, d, q.dtype, sms, fixed_splits, config))
-
-    rows = q.numel() // d  # B * Q * Hq
-    starts = [0]  # each level's first slot, then the slot count
+    starts = [0]
     for plan in plans:
         starts.append(starts[-1] + (1 if plan is None else plan.num_splits))
-    o_all = _device.new_buffer((starts[-1], rows, d), torch.float32, q.device)
-    lse_all = _device.new_buffer((starts[-1], rows), torch.float32, q.device)
-    # The shared levels first, then the per-request ones on a side stream (Note [Cascade attention], overlap)
-    shared = [i for i, plan in enumerate(plans) if plan is not None]
-    own = [i for i, plan in enumerate(plans) if plan is None]
-    side = _side_stream(q.device) if q.is_cuda and shared and own else None
-    pdl = _device.use_pdl(q.device)
-    if side is not None:
-        side.wait_stream(torch.cuda.current_stream(q.device))  # the fork, before the shared levels' launches
-    for i in shared:
-        lv, plan, slot = work[i], plans[i], starts[i]
+    o_strides, lse_strides = (rows * d, d), (rows, 1)  # the workspace [slots, rows, D] and [slots, rows]
+    launchers = []
+    for (i, lv), plan in zip(work, plans):
+        if plan is None:
+            launchers.append(None)
+            continue
         lvl = lv.lvl
-        layout, k_scale, v_scale, kv_scale = _level_args(lvl, scales)
-        perm = tiles = None
-        if lv.kind == SEGMENTS:
-            perm, tiles = _tile_table(lvl.segment_ids, lv.n_seg, q_rows * group, plan.config.block_m, plan.n_tiles)
-        end = slot + plan.num_splits
-        prefix_attention(q, lvl.k, lvl.v, lvl.seq_lens, lvl.block_table, perm, tiles, o_all[slot:end],
-                         lse_all[slot:end], sm_scale=scale, plan=plan, kv_layout=layout, causal=lv is last,
-                         k_scale=k_scale, v_scale=v_scale, kv_scale=kv_scale, logit_softcap=softcap, pdl=pdl)
-    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        for i in own:  # each level's fp32 state goes straight into its slot, unrounded
-            lv, slot = work[i], starts[i]
-            lvl = lv.lvl
-            layout, k_scale, v_scale, _ = _level_args(lvl, scales)
-            limits = _all_visible(q, lv.t_max) if q_rows > 1 and lv is not last else None
-            flash_decode(q, lvl.k, lvl.v, lvl.seq_lens, block_table=lvl.block_table, kv_layout=layout,
-                         sm_scale=scale, k_scale=k_scale, v_scale=v_scale, logit_softcap=softcap, row_limits=limits,
-                         out=AttentionState(o_all[slot].view(q.shape), lse_all[slot].view(q.shape[:-1])),
-                         _pdl=side is None)
+        layout, k_scale, v_scale, lv_scale = _level_args(lvl, scales)
+        launchers.append(prefix_launcher(
+            q, lvl.k, lvl.v, lvl.seq_lens, lvl.block_table, o_strides, rows, plan=plan, has_segments=lv.kind == SEGMENTS,
+            kv_layout=layout, causal=i == len(checked) - 1, k_scale=k_scale, v_scale=v_scale, kv_scale=lv_scale,
+            softcap=softcap, pdl=pdl, device=cuda))
+    has_shared = any(p is not None for p in plans)
+    side = q.is_cuda and has_shared and any(p is None for p in plans)
+    merger = merge_launcher(starts[-1], rows, d, o_strides, lse_strides, sinks, cuda) if merge else None
+    return _Prepared(tuple((i, lv.kind, lv.n_seg, lv.t_max, lv.lvl.k.dtype in FP8_DTYPES, i == len(checked) - 1)
+                           for i, lv in work),
+                     tuple(launchers), tuple(starts), merger, side, scales[2], rows, q_rows, cuda, 1.0 / math.sqrt(d))
+
+
+def _run(prep: _Prepared, q, levels, scale: float, scales: tuple, softcap, sinks, out) -> AttentionState:
+    """Launch ``prep``'s kernels for these arguments (of the prepared key): the shared levels, the
+    per-request ones (on the side stream), the merge. Tensors go to a launcher's first launch (it compiles;
+    the interpreter runs) and to launch hooks; later launches on CUDA take their pointers."""
+    from .ops.merge import merge_states_into
+
+    d, rows, dev = q.shape[-1], prep.rows, q.device
+    n_slots = prep.starts[-1]
+    o_all = _device.new_buffer((n_slots, rows, d), torch.float32, dev)
+    lse_all = _device.new_buffer((n_slots, rows), torch.float32, dev)
+    k_scale, v_scale = scales
+    fp8_floats = prep.kv_scale == 1
+    ksf, vsf = (float(k_scale), float(v_scale)) if fp8_floats else (1.0, 1.0)
+    cap = float(softcap) * LOG2E if softcap is not None else 1.0
+    side = _side_stream(dev) if prep.side else None
+    stream = torch._C._cuda_getCurrentRawStream(prep.cuda) if prep.cuda is not None else None
     if side is not None:
-        torch.cuda.current_stream(q.device).wait_stream(side)  # the join, before the merge
+        main = torch.cuda.current_stream(dev)
+        side.wait_stream(main)  # the fork, before the shared levels' launches
+    # The shared levels first, then the per-request ones on a side stream (Note [Cascade attention], overlap)
+    spans = zip(prep.work, prep.launchers, prep.starts, prep.starts[1:])
+    for (i, kind, n_seg, _, fp8, _), launcher, slot, end in spans:
+        if launcher is None:
+            continue
+        lvl = levels[i]
+        perm = tiles = q
+        if kind == SEGMENTS:
+            perm, tiles = _tile_table(lvl.segment_ids, n_seg, prep.q_rows * launcher.constexprs["GROUP_SIZE"],
+                                      launcher.constexprs["BLOCK_M"], launcher.grid[0])
+        k_sc, v_sc = (k_scale, v_scale) if fp8 and prep.kv_scale == 2 else (q, q)
+        ks, vs = (ksf, vsf) if fp8 else (1.0, 1.0)
+        sl, bt = (q if t is None else t for t in (lvl.seq_lens, lvl.block_table))
+        if launcher.compiled is not None and stream is not None:
+            launcher.launch_ptrs(stream, (q.data_ptr(), lvl.k.data_ptr(), lvl.v.data_ptr(), sl.data_ptr(),
+                                          bt.data_ptr(), perm.data_ptr(), tiles.data_ptr(), k_sc.data_ptr(),
+                                          v_sc.data_ptr(), o_all.data_ptr() + slot * rows * d * 4,
+                                          lse_all.data_ptr() + slot * rows * 4, scale, ks, vs, cap))
+        else:
+            launcher(q, lvl.k, lvl.v, sl, bt, perm, tiles, k_sc, v_sc, o_all[slot:end], lse_all[slot:end], scale, ks,
+                     vs, cap)
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        for (i, _, _, t_max, fp8, is_last), launcher, slot in zip(prep.work, prep.launchers, prep.starts):
+            if launcher is not None:
+                continue
+            lvl = levels[i]  # its fp32 state goes straight into its slot, unrounded
+            limits = _all_visible(q, t_max) if prep.q_rows > 1 and not is_last else None
+            flash_decode(q, lvl.k, lvl.v, lvl.seq_lens, block_table=lvl.block_table,
+                         kv_layout="NHD" if lvl.block_table is not None else "HND", sm_scale=scale,
+                         k_scale=k_scale if fp8 else None, v_scale=v_scale if fp8 else None, logit_softcap=softcap,
+                         row_limits=limits, _pdl=side is None,
+                         out=AttentionState(o_all[slot].view(q.shape), lse_all[slot].view(q.shape[:-1])))
+    if side is not None:
+        main.wait_stream(side)  # the join, before the merge
     if out is None:
-        o = _device.new_buffer(tuple(q.shape), q.dtype, q.device)
-        lse = _device.new_buffer(tuple(q.shape[:-1]), torch.float32, q.device)
-        merge_states_into(o_all, lse_all, o.view(rows, d), lse.view(rows), sinks=sinks, one_warp=True)
+        o = _device.new_buffer(tuple(q.shape), q.dtype, dev)
+        lse = _device.new_buffer(tuple(q.shape[:-1]), torch.float32, dev)
+        m = prep.merge
+        if m.compiled is not None and stream is not None:
+            lp = lse_all.data_ptr()
+            m.launch_ptrs(stream, (o_all.data_ptr(), lp, lp if sinks is None else sinks.data_ptr(), o.data_ptr(),
+                                   lse.data_ptr(), lp))
+        else:
+            m(o_all, lse_all, lse_all if sinks is None else sinks, o.view(rows, d), lse.view(rows), lse_all)
         return AttentionState(o, lse)
     # An fp32 state of [rows, D] and [rows] views (the context-parallel exchange buffer), and where the
     # merge may push it to the exchange's peers (exchange.Push or None)

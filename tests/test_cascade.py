@@ -295,3 +295,14 @@ def test_bad_scalar_arguments():
         cascade_decode(q, levels, sm_scale=float("nan"))
     with pytest.raises(TypeError, match="return_lse"):
         cascade_decode(q, levels, return_lse=1)
+
+
+def test_host_tensors_are_checked_at_every_call():
+    """The prepared eager path is for CUDA tensors (Note [Cascade attention], eager calls): a call on host
+    tensors of a shape seen before is checked again, index values included."""
+    q, levels = prefix_suffix(2, 8, 2, 32, 10, (1, 2), torch.float32)
+    q, levels = q.cpu(), [CascadeLevel(*(t.cpu() if isinstance(t, torch.Tensor) else t for t in lvl)) for lvl in levels]
+    cascade_decode(q, levels)
+    bad = [levels[0], levels[1]._replace(seq_lens=levels[1].seq_lens + 5)]
+    with pytest.raises(ValueError, match="seq_lens"):
+        cascade_decode(q, bad)

@@ -122,6 +122,94 @@ def test_cascade_graph_replay_with_new_inputs():
             torch.testing.assert_close(out.lse[i:i + 1].double(), ref.lse, atol=1e-3, rtol=1e-4)
 
 
+def _cascade_inputs(b, hq, hkv, d, dt):
+    """A shared prefix, two group segments (random lengths and assignments) and per-request suffixes."""
+    q = torch.randn(b, hq, d, device="cuda", dtype=dt)
+    pre = [torch.randn(1, hkv, 2000, d, device="cuda", dtype=dt) for _ in range(2)]
+    grp = [torch.randn(2, hkv, 500, d, device="cuda", dtype=dt) for _ in range(2)]
+    grp_lens, seg = torch.randint(0, 501, (2,), device="cuda"), torch.randint(0, 2, (b,), device="cuda")
+    suf = [torch.randn(b, hkv, 300, d, device="cuda", dtype=dt) for _ in range(2)]
+    suf_lens = torch.randint(0, 301, (b,), device="cuda", dtype=torch.int32)
+    return q, [CascadeLevel(*pre), CascadeLevel(*grp, grp_lens, seg), CascadeLevel(*suf, suf_lens)]
+
+
+def _counting_checks(monkeypatch):
+    """cascade_decode's full checks counted (the list grows by one per checked call), no key prepared yet."""
+    import cp_attention.cascade as cascade
+
+    calls, checked = [], cascade.check_cascade_args
+    monkeypatch.setattr(cascade, "check_cascade_args", lambda *a, **kw: calls.append(1) or checked(*a, **kw))
+    monkeypatch.setattr(cascade, "_PREPARED", {})
+    return cascade, calls
+
+
+def test_cascade_hot_path_equals_a_checked_call(monkeypatch):
+    """Eager calls after the first replay what it prepared (Note [Cascade attention], eager calls): with new
+    tensors of the same shapes (new pointers, lengths, segment assignments) and new scalar values, every bit
+    equals a call checked and prepared anew, which equals the float64 oracle; the checks of what the key does
+    not fix still run."""
+    torch.manual_seed(3)
+    b, hq, hkv, d = 5, 16, 4, 128
+    cascade, calls = _counting_checks(monkeypatch)
+    sinks = torch.randn(hq, device="cuda")
+    cascade_decode(*_cascade_inputs(b, hq, hkv, d, torch.bfloat16), sm_scale=0.1, logit_softcap=30.0, sinks=sinks)
+    assert len(calls) == 1 and len(cascade._PREPARED) == 1
+    for step in range(3):
+        q, levels = _cascade_inputs(b, hq, hkv, d, torch.bfloat16)
+        kw = dict(sm_scale=0.05 * (step + 1), logit_softcap=10.0 * (step + 1), sinks=sinks, return_lse=True)
+        hot = cascade_decode(q, levels, **kw)
+        assert len(calls) == 1 + step  # replayed, not checked
+        cascade._PREPARED.clear()
+        fresh = cascade_decode(q, levels, **kw)
+        assert len(calls) == 2 + step
+        assert torch.equal(hot.o, fresh.o) and torch.equal(hot.lse, fresh.lse)
+    seg, grp_lens, suf_lens = levels[1].segment_ids, levels[1].seq_lens, levels[2].seq_lens
+    for i in range(b):
+        s = int(seg[i])
+        k, v = (torch.cat([levels[0][j][0], levels[1][j][s, :, : int(grp_lens[s])],
+                           levels[2][j][i, :, : int(suf_lens[i])]], 1)[None].double() for j in (0, 1))
+        ref = attention(q[i:i + 1].double(), k, v, sm_scale=kw["sm_scale"], logit_softcap=kw["logit_softcap"],
+                        sinks=sinks.double())
+        torch.testing.assert_close(hot.o[i:i + 1].double(), ref.o, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(hot.lse[i:i + 1].double(), ref.lse, atol=1e-3, rtol=1e-4)
+    n = len(calls)
+    with pytest.raises(TypeError, match="sm_scale"):
+        cascade_decode(q, levels, sm_scale=float("nan"), logit_softcap=1.0, sinks=sinks)
+    with pytest.raises(ValueError, match="logit_softcap"):
+        cascade_decode(q, levels, sm_scale=0.1, logit_softcap=-1.0, sinks=sinks)
+    with pytest.raises(TypeError, match="return_lse"):
+        cascade_decode(q, levels, sm_scale=0.1, logit_softcap=1.0, sinks=sinks, return_lse=1)
+    assert len(calls) == n  # all three refused on the prepared path
+
+
+def test_cascade_hot_path_fp8_scales(monkeypatch):
+    """FP8 levels with per-head tensor scales on the prepared path: new scale values are read by the kernels
+    (every bit as a checked call), and a scale updated in place to inf is refused before any launch."""
+    from cp_attention import quantize_kv
+
+    torch.manual_seed(4)
+    b, hq, hkv, d = 4, 16, 4, 128
+    cascade, calls = _counting_checks(monkeypatch)
+
+    def fp8_inputs():
+        q, levels = _cascade_inputs(b, hq, hkv, d, torch.bfloat16)
+        k8, v8, ks, vs = quantize_kv(levels[0].k, levels[0].v, per_head=True)
+        return q, [CascadeLevel(k8, v8)] + levels[1:], ks, vs
+
+    q, levels, ks, vs = fp8_inputs()
+    cascade_decode(q, levels, k_scale=ks, v_scale=vs)
+    q, levels, ks, vs = fp8_inputs()
+    hot = cascade_decode(q, levels, k_scale=ks, v_scale=vs, return_lse=True)
+    assert len(calls) == 1
+    cascade._PREPARED.clear()
+    fresh = cascade_decode(q, levels, k_scale=ks, v_scale=vs, return_lse=True)
+    assert torch.equal(hot.o, fresh.o) and torch.equal(hot.lse, fresh.lse)
+    ks[1] = float("inf")
+    with pytest.raises(ValueError, match="k_scale"):
+        cascade_decode(q, levels, k_scale=ks, v_scale=vs)
+    assert len(calls) == 2
+
+
 def _init_nccl(rank, world, init_file, exchange):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,

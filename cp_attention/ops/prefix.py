@@ -33,10 +33,9 @@ import triton.language as tl
 
 from triton.language.extra.cuda import gdc_wait
 
-from .. import _constants
 from .._device import next_pow2
 from ._dot import dot_flags
-from ._launch import launch, pdl_options
+from ._launch import Launcher, pdl_options
 from ._state import attend_tiles, fp16_query, kv_bases, score_scales, split_range
 
 
@@ -111,21 +110,27 @@ def _prefix_kernel(
     tl.store(LSE_PART + i_s64 * stride_ls + o_out, b_lse, mask=m_m)
 
 
-def prefix_attention(q, k, v, seq_lens, block_table, perm, tiles, o_part, lse_part, *, sm_scale, plan,
-                     kv_layout="HND", causal=False, k_scale=None, v_scale=None, kv_scale=0, logit_softcap=None,
-                     pdl=False):
-    """Launch the shared-segment kernel; inputs were validated by :func:`cp_attention.cascade_decode`.
+def prefix_launcher(q, k, v, seq_lens, block_table, o_strides, lse_stride: int, *, plan, has_segments, kv_layout="HND",
+                    causal=False, k_scale=None, v_scale=None, kv_scale=0, softcap=False, pdl=False, device=None):
+    """A :class:`~cp_attention.ops._launch.Launcher` of the shared-segment kernel for one level of
+    :func:`cp_attention.cascade_decode` (inputs validated there), its integer arguments bound from these
+    tensors' shapes and strides. It takes ``(q, k, v, seq_lens or q, block_table or q, perm or q, tiles or q,
+    k_scale or q, v_scale or q, o_part, lse_part, sm_scale, k_scale, v_scale, cap)``: tensors of the same
+    shapes, strides and dtypes (or, after its first launch, their pointers through ``launch_ptrs``), the
+    float FP8 scales (1.0 for tensor scales) and ``cap`` the softcap times ``log2(e)`` (1.0 without).
 
     ``q [B, Hq, D]`` or ``[B, Q, Hq, D]``; ``k``/``v``: segments ``[S, Hkv, T, D]`` (``kv_layout="HND"``) or
     ``[S, T, Hkv, D]``, or with ``block_table [S, max_pages]`` page pools ``[P, Hkv, page, D]`` / ``[P,
-    page, Hkv, D]`` (unit stride in D); ``seq_lens [S]`` or ``None``; ``perm [B]`` int64 (segment-sorted
-    position -> request) and ``tiles [n_tiles, 3]`` int32, or both ``None`` when the level has one
-    segment read by every request; ``plan`` a :class:`cp_attention.heuristics.PrefixPlan`; ``causal``: the
-    causal rule of multi-row queries on this level; FP8 segments: ``k_scale``/``v_scale`` floats
-    (``kv_scale`` 1) or 0-d/``[Hkv]`` float32 tensors (``kv_scale`` 2); ``logit_softcap``: scores ``c *
-    tanh(s / c)``. Writes ``o_part [num_splits, B * Q * Hq, D]`` float32
-    and ``lse_part [num_splits, B * Q * Hq]`` float32 (natural log), unit stride in D. ``pdl``: launched with
-    programmatic dependent launch (compute capability 9.0 or more; see Note [Cascade attention]).
+    page, Hkv, D]`` (unit stride in D); ``seq_lens [S]`` or ``None``; ``has_segments``: the level's requests
+    read its segments through ``perm [B]`` int64 (segment-sorted position -> request) and ``tiles [n_tiles,
+    3]`` int32, else every request reads its one segment; ``plan`` a
+    :class:`cp_attention.heuristics.PrefixPlan`; ``causal``: the causal rule of multi-row queries on this
+    level; FP8 segments: ``kv_scale`` 1 (float scales) or 2 (0-d / ``[Hkv]`` float32 tensors ``k_scale``,
+    ``v_scale``); ``softcap``: scores ``c * tanh(s / c)``. The kernel writes ``o_part [num_splits, B * Q *
+    Hq, D]`` float32 and ``lse_part [num_splits, B * Q * Hq]`` float32 (natural log), unit stride in D, of
+    (split, row) strides ``o_strides`` and split stride ``lse_stride``.
+    ``pdl``: launched with programmatic dependent launch (compute capability 9.0 or more; see Note
+    [Cascade attention]). ``device``: the CUDA device index, ``None`` under the interpreter.
     """
     batch, hq, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
     q_rows = q.shape[1] if q.dim() == 4 else 1
@@ -138,28 +143,18 @@ def prefix_attention(q, k, v, seq_lens, block_table, perm, tiles, o_part, lse_pa
         ks, vs = (k.stride(0), k.stride(2), k.stride(1)), (v.stride(0), v.stride(2), v.stride(1))
     page_size = k.shape[t_dim] if paged else 1
     t_max = block_table.shape[1] * page_size if paged else k.shape[t_dim]
-    cfg = plan.config
-    has_segments = tiles is not None
     qs = q.stride()
     q_strides = (qs[0], qs[1], qs[2]) if q.dim() == 4 else (qs[0], 0, qs[1])
     tensors = kv_scale == 2
     scale_strides = [(sc.stride(0) if sc.dim() else 0) if tensors else 0 for sc in (k_scale, v_scale)]
     constexprs, options = prefix_launch_config(
-        q.dtype, hq // hkv, q_rows, head_dim, page_size, cfg, has_seq_lens=seq_lens is not None,
-        has_segments=has_segments, paged=paged, causal=causal, softcap=bool(logit_softcap), kv_scale=kv_scale, pdl=pdl)
-    launch(
-        _prefix_kernel, (plan.n_tiles, plan.num_splits, hkv),
-        (q, k, v, seq_lens if seq_lens is not None else q, block_table if paged else q,
-         perm if has_segments else q, tiles if has_segments else q, k_scale if tensors else q,
-         v_scale if tensors else q, o_part, lse_part,
-         float(sm_scale), float(k_scale) if kv_scale == 1 else 1.0, float(v_scale) if kv_scale == 1 else 1.0,
-         float(logit_softcap) * _constants.LOG2E if logit_softcap else 1.0, t_max, plan.tiles_per_split,
-         batch * q_rows * (hq // hkv), k.shape[0] if paged else 0,
-         seq_lens.stride(0) if seq_lens is not None else 0,
-         *(block_table.stride() if paged else (0, 0)), *q_strides,
-         *ks, *vs, o_part.stride(0), o_part.stride(1), lse_part.stride(0), *scale_strides),
-        constexprs, **options,
-    )
+        q.dtype, hq // hkv, q_rows, head_dim, page_size, plan.config, has_seq_lens=seq_lens is not None,
+        has_segments=has_segments, paged=paged, causal=causal, softcap=softcap, kv_scale=kv_scale, pdl=pdl)
+    static = (t_max, plan.tiles_per_split, batch * q_rows * (hq // hkv), k.shape[0] if paged else 0,
+              seq_lens.stride(0) if seq_lens is not None else 0, *(block_table.stride() if paged else (0, 0)),
+              *q_strides, *ks, *vs, *o_strides, lse_stride, *scale_strides)
+    return Launcher(_prefix_kernel, (plan.n_tiles, plan.num_splits, hkv), constexprs, device=device, static=static,
+                    **options)
 
 
 def prefix_launch_config(dtype, group: int, q_rows: int, head_dim: int, page_size: int, cfg, *, has_seq_lens: bool,
