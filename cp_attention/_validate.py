@@ -409,16 +409,28 @@ def check_inference(fn: str, names: tuple, *args) -> None:
     ``names``; tensors, ``None``, Python scalars, or tuples and lists of them such as an ``AttentionState``
     or a list of ``CascadeLevel``) may require grad, since its output would silently carry no gradient.
     Raises ``ValueError`` naming ``fn`` and the argument. Under ``torch.no_grad()`` or
-    ``torch.inference_mode()`` it reads the grad mode only; else the common arguments (``None``, plain
-    tensors that require no grad) cost one test each."""
-    if not torch.is_grad_enabled():
-        return
+    ``torch.inference_mode()`` it reads the grad mode only; else each tensor costs one test, and names are
+    built only for an argument that requires grad."""
+    if torch.is_grad_enabled() and _requires_grad(args):
+        _name_requires_grad(fn, names, args)
+
+
+def _requires_grad(args) -> bool:
+    """Whether a tensor in ``args`` (nested in tuples and lists) requires grad."""
     tensor = torch.Tensor
     for x in args:
-        if x is not None and (x.__class__ is not tensor or x.requires_grad):
-            break
-    else:
-        return
+        if x is None:
+            continue
+        if x.__class__ is tensor or isinstance(x, tensor):
+            if x.requires_grad:
+                return True
+        elif isinstance(x, (tuple, list)) and _requires_grad(x):
+            return True
+    return False
+
+
+def _name_requires_grad(fn: str, names: tuple, args) -> None:
+    """Raise for the first argument of ``args`` (named by ``names``) holding a tensor that requires grad."""
     for name, x in zip(names, args):
         if isinstance(x, torch.Tensor):
             if x.requires_grad:
@@ -426,5 +438,5 @@ def check_inference(fn: str, names: tuple, *args) -> None:
                                  f"or torch.inference_mode(), or detach the input")
         elif isinstance(x, (tuple, list)):
             fields = getattr(x, "_fields", None)
-            check_inference(fn, tuple(f"{name}.{f}" for f in fields) if fields is not None
-                            else tuple(f"{name}[{i}]" for i in range(len(x))), *x)
+            _name_requires_grad(fn, tuple(f"{name}.{f}" for f in fields) if fields is not None
+                                else tuple(f"{name}[{i}]" for i in range(len(x))), x)
