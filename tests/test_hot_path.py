@@ -1,13 +1,17 @@
-"""flash_decode's prepared hot path (Note [The decode hot path]) without a GPU: CPU tensors made to take the
-CUDA code path (``is_cuda`` true, the two CUDA runtime queries answered in Python, a recording stand-in for
-the compiled kernel), so the direct launch's arguments and the checks a repeated call still runs are
-tested on the CPU. The kernels' results on that path are tested on the GPU (test_gpu.py) and, through the
+"""flash_decode's and cascade_decode's prepared hot paths (Note [The decode hot path], Note [Cascade
+attention]) without a GPU: CPU tensors made to take the CUDA code path (``is_cuda`` true, the two CUDA
+runtime queries answered in Python, a recording stand-in for the compiled kernel), so the direct launch's
+arguments and the checks a repeated call still runs are tested on the CPU. The kernels' results on that path are tested on the GPU (test_gpu.py) and, through the
 same prepared launches, under the interpreter (the other test files)."""
+import collections
+
 import pytest
 import torch
 
-from cp_attention import AttentionState, decode, flash_decode
+from cp_attention import AttentionState, CascadeLevel, cascade, cascade_decode, decode, flash_decode
 from cp_attention.heuristics import decode_plan
+from cp_attention.ops.merge import _merge_states_kernel
+from cp_attention.ops.prefix import _prefix_kernel
 from cp_attention.ops.split_kv import _combine_kernel, _split_kv_kernel
 
 ARG_NAMES = _split_kv_kernel.arg_names
@@ -206,3 +210,102 @@ def test_host_tensors_are_checked_at_every_call():
     flash_decode(q, k, v, sl)
     with pytest.raises(ValueError, match=r"^seq_lens\b"):
         flash_decode(q, k, v, torch.tensor([65, 3], dtype=torch.int32))
+
+
+# ----------------------------------------------------------------------------------------------------
+# cascade_decode's prepared eager path (Note [Cascade attention] in cascade.py), the same way: shared levels
+# only (the per-request ones run through flash_decode's path above, on a CUDA side stream).
+
+PREFIX_NAMES = _prefix_kernel.arg_names
+MERGE_NAMES = _merge_states_kernel.arg_names
+
+
+@pytest.fixture
+def kernel_log(monkeypatch):
+    """CPU tensors take cascade_decode's CUDA path; returns every kernel's launches, ``{name: [(kind, args)]}``."""
+    log = collections.defaultdict(list)
+
+    def getitem(kernel, grid):
+        mine = log[kernel.__name__]
+
+        def first_launch(*args, **kwargs):  # the JIT: compiles, launches, returns the compiled kernel
+            mine.append(("jit", args + tuple(x for name, x in kwargs.items() if name in kernel.arg_names)))
+            return _Compiled(mine)
+        return first_launch
+
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: -1, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
+    monkeypatch.setattr(type(_prefix_kernel), "__getitem__", getitem)
+    monkeypatch.setattr(cascade, "_PREPARED", {})
+    torch.Tensor.is_cuda = property(lambda self: True)
+    try:
+        yield log
+    finally:
+        del torch.Tensor.is_cuda
+
+
+def two_shared_levels(seed, b=3, hq=8, hkv=2, d=64, dtype=torch.bfloat16):
+    """A prefix every request reads and two group segments (``segment_ids``)."""
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
+    q = rnd(b, hq, d)
+    return q, [CascadeLevel(rnd(1, hkv, 300, d), rnd(1, hkv, 300, d)),
+               CascadeLevel(rnd(2, hkv, 40, d), rnd(2, hkv, 40, d), torch.tensor([40, 7]), torch.tensor([1, 0, 1]))]
+
+
+def test_cascade_repeated_call_launches_directly_with_the_new_pointers(kernel_log):
+    """The second call with new tensors of the same key launches every kernel through ``run``: the new
+    tensors' pointers, each level's workspace slots at the first call's offsets, the new scalars, the first
+    call's integers; a new output."""
+    q, levels = two_shared_levels(1)
+    o1 = cascade_decode(q, levels, sm_scale=0.1)
+    q2, levels2 = two_shared_levels(2)
+    o2 = cascade_decode(q2, levels2, sm_scale=0.2, logit_softcap=None)
+    prefix, merge = kernel_log["_prefix_kernel"], kernel_log["_merge_states_kernel"]
+    assert [kind for kind, _ in prefix] == ["jit", "jit", "run", "run"] and [k for k, _ in merge] == ["jit", "run"]
+    (_, jit0), (_, jit1), (_, run0), (_, run1) = prefix
+    for jit, run, lvl in ((jit0, run0, levels2[0]), (jit1, run1, levels2[1])):
+        assert len(jit) == len(run) == len(PREFIX_NAMES)
+        p = {name: run[i] for i, name in enumerate(PREFIX_NAMES)}
+        assert (p["Q"], p["K"], p["V"]) == (q2.data_ptr(), lvl.k.data_ptr(), lvl.v.data_ptr())
+        assert p["sm_scale"] == 0.2 and p["cap"] == 1.0
+        first = PREFIX_NAMES.index("T_MAX")
+        assert run[first:] == jit[first:]  # sizes, strides and constexprs bound once
+    assert run1[PREFIX_NAMES.index("SEQ_LENS")] == levels2[1].seq_lens.data_ptr()
+    rows, d = q.numel() // q.shape[-1], q.shape[-1]
+    slots = jit0[PREFIX_NAMES.index("O_PART")].shape[0]  # the first level's splits
+    o_jit = [a[PREFIX_NAMES.index("O_PART")].data_ptr() for a in (jit0, jit1)]
+    lse_jit = [a[PREFIX_NAMES.index("LSE_PART")].data_ptr() for a in (jit0, jit1)]
+    o_run = [a[PREFIX_NAMES.index("O_PART")] for a in (run0, run1)]
+    lse_run = [a[PREFIX_NAMES.index("LSE_PART")] for a in (run0, run1)]
+    assert o_jit[1] - o_jit[0] == o_run[1] - o_run[0] == slots * rows * d * 4
+    assert lse_jit[1] - lse_jit[0] == lse_run[1] - lse_run[0] == slots * rows * 4
+    (_, mjit), (_, mrun) = merge
+    m = {name: mrun[i] for i, name in enumerate(MERGE_NAMES)}
+    assert (m["O"], m["LSE"], m["O_OUT"]) == (o_run[0], lse_run[0], o2.data_ptr()) and o2.data_ptr() != o1.data_ptr()
+    first = MERGE_NAMES.index("N")
+    assert mrun[first:] == mjit[first:]
+
+
+def test_cascade_prepared_key_does_not_skip_the_checks(kernel_log):
+    """After a good call, a bad scalar raises before any launch; another dtype of an index tensor is a new
+    key, checked and prepared anew."""
+    q, levels = two_shared_levels(1)
+    cascade_decode(q, levels, sm_scale=0.1, logit_softcap=5.0)
+    n = len(kernel_log["_prefix_kernel"])
+    for kwargs, exc, name in (({"sm_scale": float("nan")}, TypeError, "sm_scale"),
+                              ({"logit_softcap": -1.0}, ValueError, "logit_softcap"),
+                              ({"return_lse": 1}, TypeError, "return_lse")):
+        with pytest.raises(exc, match=rf"^{name}\b"):
+            cascade_decode(q, levels, **{"sm_scale": 0.1, "logit_softcap": 5.0, **kwargs})
+    assert len(kernel_log["_prefix_kernel"]) == n
+    cascade_decode(q, levels, sm_scale=0.1, logit_softcap=5.0)
+    args = kernel_log["_prefix_kernel"][-1][1]
+    assert args[PREFIX_NAMES.index("cap")] == pytest.approx(5.0 * 1.4426950408889634)
+    with pytest.raises(ValueError, match=r"^levels\[1\]\.segment_ids\b"):
+        cascade_decode(q, [levels[0], levels[1]._replace(segment_ids=torch.tensor([1, 0]))], sm_scale=0.1,
+                       logit_softcap=5.0)
+    cascade_decode(q, [levels[0], levels[1]._replace(seq_lens=levels[1].seq_lens.int())], sm_scale=0.1,
+                   logit_softcap=5.0)
+    assert [kind for kind, _ in kernel_log["_prefix_kernel"]][-2:] == ["jit", "jit"]
+    assert len(cascade._PREPARED) == 2
