@@ -3,8 +3,9 @@
 # at once, the two-GPU ones after; each step under its own time limit, its output kept even if it fails.
 # Each script writes its JSON and PNG under benchmarks/results/ and its tables into docs/performance.md.
 #   usage: benchmarks/run_all.sh OUT_DIR [one|two|cp|all]   (from the checkout; FlashInfer wheels in .fi/ if present)
-# "one": the one-GPU benchmarks (~6 min), "two": context parallel and generation (~9 min), "cp": the context-
-# parallel part of "two" alone (~3 min), "all" (default).
+# "one": the one-GPU benchmarks (~6 min), "two": context parallel and generation, the native model's and
+# transformers' generate() (~30 min with the compiles), "cp": the context-parallel part of "two" alone (~3 min),
+# "all" (default).
 # Writes OUT_DIR/logs/*.txt (the printed output), the JSON/PNG files of benchmarks/results/ (copied to OUT_DIR
 # too), the tables of docs/performance.md and README.md, and OUT_DIR/all.tgz holding the logs and results.
 set -u
@@ -61,6 +62,19 @@ step generate_w2 150 $tr --nproc-per-node=2 $gen /tmp/cpa_p1.json --new-tokens 1
 step prefill_w1 90 env CUDA_VISIBLE_DEVICES=0 $tr --nproc-per-node=1 $gen /tmp/cpa_p128k.json --new-tokens 2 \
   --output benchmarks/results/generate_prefill_w1.json
 step prefill_w2 90 $tr --nproc-per-node=2 $gen /tmp/cpa_p128k.json --new-tokens 2 --output benchmarks/results/generate_prefill_w2.json
+# the same through transformers' generate() (the unmodified model, CPCache, compiled); a 32k prompt's prefill
+python3 -c "import json, random; random.seed(1); \
+json.dump([[random.randrange(128000) for _ in range(32768)]], open('/tmp/cpa_p32k.json', 'w'))"
+hf="$gen /tmp/cpa_p1.json --backend transformers --compile --new-tokens 24"
+step generate_hf_w1 420 env CUDA_VISIBLE_DEVICES=0 $tr --nproc-per-node=1 $hf --fill-context 131072 524288 \
+  --output benchmarks/results/generate_hf_w1.json
+step generate_hf_w2 540 $tr --nproc-per-node=2 $hf --fill-context 131072 524288 1048576 \
+  --output benchmarks/results/generate_hf_w2.json
+step prefill_hf_w1 120 env CUDA_VISIBLE_DEVICES=0 $tr --nproc-per-node=1 launch/generate.py --random-config llama3-8b \
+  --prompts /tmp/cpa_p32k.json --backend transformers --new-tokens 2 --output benchmarks/results/generate_hf_prefill_w1.json
+step prefill_hf_w2 120 $tr --nproc-per-node=2 launch/generate.py --random-config llama3-8b --prompts /tmp/cpa_p32k.json \
+  --backend transformers --new-tokens 2 --output benchmarks/results/generate_hf_prefill_w2.json
+python3 benchmarks/plot_generate.py
 fi
 python3 -m benchmarks.tables  # the generation table (launch/generate.py writes only its JSON)
 cp benchmarks/results/*.json benchmarks/results/*.png "$out/" 2>/dev/null

@@ -321,27 +321,42 @@ def fp8_accuracy_table(data: dict) -> str:
     return markdown(header, out)
 
 
-def generate_table(w1: dict, w2: dict, p1: dict | None = None, p2: dict | None = None) -> str:
-    """launch/generate.py --fill-context on 1 and 2 GPUs: decode tokens/s, and the prefill of a long prompt."""
+def generate_table(w1: dict, w2: dict | None = None, p1: dict | None = None, p2: dict | None = None,
+                   hf1: dict | None = None, hf2: dict | None = None, hp1: dict | None = None,
+                   hp2: dict | None = None) -> str:
+    """launch/generate.py --fill-context on 1 and 2 GPUs: decode tokens/s, and the prefill of a long prompt;
+    then the same through transformers' generate() (``--backend transformers --compile``) where measured."""
     def by_context(payload):
-        return {r["synthetic_context"]: r for r in payload.get("runs", [payload]) if "synthetic_context" in r}
+        return {r["synthetic_context"]: r for r in (payload or {}).get("runs", [payload or {}])
+                if "synthetic_context" in r}
 
-    one, two = by_context(w1), by_context(w2)
-    run = next(iter(one.values()), {})
-    intro = (f"Decode tokens/s of `launch/generate.py` with {run.get('model', '?')} shapes and random weights "
-             f"({run.get('dtype', '?')}, B = {run.get('batch', '?')}, each decode step one CUDA graph), the context "
-             "filled with random K/V:\n\n")
-    header = ["context", "1 GPU tokens/s", "2 GPUs tokens/s", "speedup"]
-    out = []
-    for t in sorted(set(one) | set(two)):
-        a, b = get(one.get(t, {}), "decode_tokens_per_s"), get(two.get(t, {}), "decode_tokens_per_s")
-        out.append([tokens(t), ratio(a, 1) if a else "does not fit", ratio(b, 1), times(div(b, a))])
-    text = intro + markdown(header, out)
-    if p1 and p2:
-        a, b = get(p1, "prefill_s"), get(p2, "prefill_s")
-        lens = p1.get("prompt_lens", ["?"])
-        text += (f"\n\nPrefill of a {tokens(lens[0])}-token prompt: {ratio(a, 1)} s on 1 GPU, {ratio(b, 1)} s on 2 "
-                 f"GPUs ({times(div(a, b))}).")
+    def section(a1, a2, b1, b2, intro):
+        one, two = by_context(a1), by_context(a2)
+        run = next(iter(one.values()), next(iter(two.values()), {}))
+        header = ["context", "1 GPU tokens/s", "2 GPUs tokens/s", "speedup"]
+        out = []
+        for t in sorted(set(one) | set(two)):
+            a, b = get(one.get(t, {}), "decode_tokens_per_s"), get(two.get(t, {}), "decode_tokens_per_s")
+            out.append([tokens(t), ratio(a, 1) if a else "does not fit", ratio(b, 1), times(div(b, a))])
+        text = intro(run) + markdown(header, out)
+        if b1 and b2:
+            a, b = get(b1, "prefill_s"), get(b2, "prefill_s")
+            lens = b1.get("prompt_lens", ["?"])
+            same = b1.get("tokens", [[None]])[0][:1] == b2.get("tokens", [[0]])[0][:1]
+            text += (f"\n\nPrefill of a {tokens(lens[0])}-token prompt: {ratio(a, 1)} s on 1 GPU, {ratio(b, 1)} s on 2 "
+                     f"GPUs ({times(div(a, b))}); the next token {'the same' if same else 'differs'} on both.")
+        return text
+
+    text = section(w1, w2, p1, p2, lambda run: (
+        f"Decode tokens/s of `launch/generate.py` with {run.get('model', '?')} shapes and random weights "
+        f"({run.get('dtype', '?')}, B = {run.get('batch', '?')}, each decode step one CUDA graph), the context "
+        "filled with random K/V:\n\n"))
+    if hf1 or hf2:
+        text += "\n\n" + section(hf1, hf2, hp1, hp2, lambda run: (
+            f"The same through transformers' own `generate()` (`--backend transformers --compile`: the unmodified "
+            f"transformers model, `attn_implementation=\"cp_attention\"`, a preallocated `CPCache`, transformers' "
+            f"compiled generation), {run.get('model', '?')} shapes, B = {run.get('batch', '?')}; every rank's "
+            "tokens are checked to be identical:\n\n"))
     return text
 
 
@@ -436,9 +451,11 @@ TABLES = [
     Table("fp8_accuracy", ("fp8_accuracy",), fp8_accuracy_table, f"{BENCH}fp8_accuracy.py"),
     Table("bench_hf", ("bench_hf",), hf_table,
           f"{BENCH}bench_hf.py --contexts 32768 131072 --new-tokens 40 --prefill 32768"),
-    Table("generate", ("generate_w1", "generate_w2", "generate_prefill_w1", "generate_prefill_w2"), generate_table,
+    Table("generate", ("generate_w1", "generate_w2", "generate_prefill_w1", "generate_prefill_w2", "generate_hf_w1",
+                       "generate_hf_w2", "generate_hf_prefill_w1", "generate_hf_prefill_w2"), generate_table,
           "`benchmarks/run_all.sh OUT_DIR two` (launch/generate.py --random-config llama3-8b --fill-context on 1 "
-          "and 2 GPUs, then `python3 -m benchmarks.tables`)"),
+          "and 2 GPUs, the native and the transformers backend, then `python3 benchmarks/plot_generate.py` and "
+          "`python3 -m benchmarks.tables`)"),
 ]
 
 

@@ -42,3 +42,33 @@ def test_update_rewrites_between_markers_only(tmp_path):
     assert text.startswith("before\n<!-- table:bench_merge -->\n| o dtype |") and "1234.5" in text
     assert "\nbetween\n<!-- table:bench_variants -->\nkept\n<!-- /table:bench_variants -->\nafter\n" in text
     assert tables.update("bench_merge", docs=(doc,), results=results) == []  # idempotent
+
+
+def test_generation_table_adds_the_transformers_runs(tmp_path):
+    """With generate_hf_* JSONs beside the native ones (run_all.sh part two), the generation table gains the
+    transformers section: tokens/s per context on 1 and 2 GPUs and the prefill's next token on both."""
+    results = tmp_path / "results"
+    shutil.copytree(tables.RESULTS, results)
+    run = {"model": "llama3-8b", "batch": 1, "backend": "transformers"}
+    hf = {1: [(131072, 80.0), (524288, 30.0)], 2: [(131072, 95.0), (524288, 48.0), (1048576, 30.5)]}
+    for w, rows in hf.items():
+        payload = {"runs": [{**run, "world_size": w, "synthetic_context": t, "decode_tokens_per_s": tps}
+                            for t, tps in rows]}
+        (results / f"generate_hf_w{w}.json").write_text(json.dumps(payload))
+        prefill = {**run, "world_size": w, "prompt_lens": [32768], "prefill_s": 3.0 / w, "tokens": [[7, w]]}
+        (results / f"generate_hf_prefill_w{w}.json").write_text(json.dumps(prefill))
+    table = next(t for t in tables.TABLES if t.name == "generate")
+    body = tables.render(table, results)
+    hf_part = body.split("through transformers' own `generate()`")[1]
+    assert "| 512k | 30.0 | 48.0 | 1.60× |" in hf_part and "| 1M | does not fit | 30.5 | — |" in hf_part
+    assert "32k-token prompt: 3.0 s on 1 GPU, 1.5 s on 2 GPUs (2.00×); the next token the same on both" in hf_part
+    assert "through transformers" not in tables.render(table)  # not measured: the native table alone
+
+
+def test_generation_plot(tmp_path):
+    """benchmarks/plot_generate.py draws the generation JSONs without a GPU."""
+    from benchmarks import plot_generate
+
+    path = plot_generate.plot(tables.RESULTS, tmp_path / "generate.png")
+    assert path.stat().st_size > 10_000
+    assert plot_generate.points(json.loads((tables.RESULTS / "generate_w2.json").read_text()))[-1][0] == 1 << 20
