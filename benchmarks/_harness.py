@@ -174,7 +174,8 @@ def source_sha() -> str:
 
 def environment() -> dict:
     env = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "python": platform.python_version(),
-           "torch": torch.__version__, "triton": triton.__version__, "cp_attention_sha": source_sha()}
+           "torch": torch.__version__, "triton": triton.__version__, "cp_attention_sha": source_sha(),
+           "page_order": "scattered (a random permutation of the pool)"}  # benchmarks/peers.py, paged()
     try:
         env["flashinfer"] = metadata.version("flashinfer-python")
     except metadata.PackageNotFoundError:

@@ -2,10 +2,11 @@
 kernel on the dense cache, against FlashInfer 0.7.2 on the same pages (XQA and the fa2 tensor-core wrapper),
 and Q = 4 draft rows against one row.
 
-bf16, Hq=32, Hkv=8, D=128 (but ``d256``), every sequence at the full context T. Sections (``--sections``):
+bf16, Hq=32, Hkv=8, D=128 (but ``d256``), every sequence at the full context T; every pool's page table is a
+random permutation of its pages, as in a serving cache (``peers.paged``), the same for the library and the
+peers. Sections (``--sections``):
 
-* ``page-vs-dense``: B=1 T=128k and B=64 T=8k, dense and pages of 1, 16 and 64 slots (shuffling the page
-  order does not change the bytes read; the pools here are in sequence order, as peers.paged builds them);
+* ``page-vs-dense``: B=1 T=128k and B=64 T=8k, dense and pages of 1, 16 and 64 slots;
 * ``peers``: B in {1, 4, 16, 64} x T in {2k, 8k, 32k, 128k} at pages of 16 and 64: cp_attention paged,
   FlashInfer XQA (page 16 or 64) and FlashInfer fa2 tensor cores on the same page size;
 * ``drafts``: B=32 T=8k with Q=4 rows (the causal rule among the drafts) against Q=1 (the same bytes), and

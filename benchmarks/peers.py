@@ -58,7 +58,7 @@ def cp_attention_paged(q, k, v, *, page_size: int = 16, fp8: bool = False):
 
 def cache_form(k, v, *, fp8: bool = False, page_size: int | None = None, nhd: bool = False):
     """``(k, v, kwargs)`` for flash_decode: the dense HND cache ``[B, Hkv, T, D]`` as an FP8 e4m3 copy
-    (``quantize_kv``, per-tensor scales) and/or NHD page pools of ``page_size`` slots in sequence order
+    (``quantize_kv``, per-tensor scales) and/or NHD page pools of ``page_size`` slots, scattered
     (:func:`paged`; ``kwargs`` then hold the block table and ``seq_lens`` of T), or a dense NHD copy
     (``nhd``). The originals are not kept."""
     b, _, t, _ = k.shape
@@ -98,18 +98,26 @@ def sdpa_flash(q, k, v):
 
 def paged(x, page_size: int, dtype=None, scale: float = 1.0):
     """Dense HND ``x [N, Hkv, T, D]`` -> NHD pages ``[N * T / page_size, page_size, Hkv, D]`` holding
-    ``x / scale`` in ``dtype`` (default ``x.dtype``); sequence ``i`` owns pages ``i * T / page_size``
-    onwards, in order. Copied one sequence at a time (the only temporary is one sequence in float32 when
-    ``scale`` is given)."""
+    ``x / scale`` in ``dtype`` (default ``x.dtype``), scattered over the pool as a serving cache's allocator
+    leaves them: sequence ``i``'s pages are row ``i`` of :func:`page_table`. Copied one sequence at a time (the
+    only temporary is one sequence in float32 when ``scale`` is given)."""
     n, hkv, t, d = x.shape
     if t % page_size:
         raise ValueError(f"T = {t} is not a multiple of page_size = {page_size}")
     per_seq = t // page_size
-    pages = torch.empty(n, per_seq, page_size, hkv, d, dtype=dtype or x.dtype, device=x.device)
+    pages = torch.empty(n * per_seq, page_size, hkv, d, dtype=dtype or x.dtype, device=x.device)
+    order = page_order(n * per_seq, x.device).view(n, per_seq)
     for i in range(n):
         src = x[i] if scale == 1.0 else x[i].float() / scale
-        pages[i].copy_(src.reshape(hkv, per_seq, page_size, d).permute(1, 2, 0, 3))
-    return pages.view(n * per_seq, page_size, hkv, d)
+        pages.index_copy_(0, order[i], src.reshape(hkv, per_seq, page_size, d).permute(1, 2, 0, 3).to(pages.dtype))
+    return pages
+
+
+def page_order(n_pages: int, device) -> torch.Tensor:
+    """Where :func:`paged` puts the pages of a pool of ``n_pages``: a random permutation (int64), seeded by
+    ``n_pages`` so that the pool and its :func:`page_table` agree."""
+    g = torch.Generator().manual_seed(n_pages)
+    return torch.randperm(n_pages, generator=g).to(device)
 
 
 def fp8_scale(x) -> float:
@@ -119,9 +127,13 @@ def fp8_scale(x) -> float:
     return amax / torch.finfo(torch.float8_e4m3fn).max if amax > 0 else 1.0
 
 
+PAGE_ORDER = "scattered"  # recorded in the JSON of every benchmark with paged caches (benchmarks/tables.py)
+
+
 def page_table(b: int, pages_per_seq: int, device):
-    """``[B, pages_per_seq]`` int32: sequence ``b`` reads pages ``b * pages_per_seq ...`` (see :func:`paged`)."""
-    return torch.arange(b * pages_per_seq, dtype=torch.int32, device=device).view(b, pages_per_seq)
+    """``[B, pages_per_seq]`` int32: the pages of sequence ``b`` in the pool :func:`paged` builds (a random
+    permutation of the pool, as in a serving cache)."""
+    return page_order(b * pages_per_seq, device).view(b, pages_per_seq).to(torch.int32)
 
 
 def flashinfer_xqa(q, k, v, *, page_size: int = 64, fp8: bool = False):
@@ -199,7 +211,7 @@ def flashinfer_fa2(q, k, v, *, page_size: int = 16):
     kp, vp = paged(k, page_size), paged(v, page_size)
     per_seq = t // page_size
     indptr = torch.arange(b + 1, dtype=torch.int32, device=q.device) * per_seq
-    indices = torch.arange(b * per_seq, dtype=torch.int32, device=q.device)
+    indices = page_table(b, per_seq, q.device).flatten()
     last = torch.full((b,), page_size, dtype=torch.int32, device=q.device)
     workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=q.device)
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
@@ -237,8 +249,7 @@ def flashinfer_cascade(q, prefix_k, prefix_v, suffix_k, suffix_v, *, page_size: 
     ar = torch.arange(b + 1, dtype=torch.int32, device=dev)
     qo = [i32(0, b), ar]
     indptr = [i32(0, n_pp), ar * n_sp]
-    indices = [torch.arange(n_pp, dtype=torch.int32, device=dev),
-               n_pp + torch.arange(b * n_sp, dtype=torch.int32, device=dev)]
+    indices = [page_table(1, n_pp, dev).flatten(), n_pp + page_table(b, n_sp, dev).flatten()]
     last = [i32(page_size), torch.full((b,), page_size, dtype=torch.int32, device=dev)]
     workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
     wrapper = flashinfer.MultiLevelCascadeAttentionWrapper(

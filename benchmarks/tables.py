@@ -83,8 +83,10 @@ def markdown(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def environment_line(env: dict | None) -> str:
-    """Where a JSON was measured, from its ``environment``."""
+def environment_line(env: dict | None, paged: bool = False) -> str:
+    """Where a JSON was measured, from its ``environment``; ``paged``: its table has paged caches (its own or
+    the peers' copies), whose page order the line names (``page_order``; runs that record none had their
+    pages in sequence order)."""
     if not env:
         return ""
     gpus = env.get("gpus", 1)
@@ -94,6 +96,8 @@ def environment_line(env: dict | None) -> str:
     parts = [where, f"torch {env.get('torch')}", f"Triton {env.get('triton')}"]
     if env.get("flashinfer"):
         parts.append(f"FlashInfer {env['flashinfer']}")
+    if paged:
+        parts.append(f"page tables {env.get('page_order', 'in sequence order')}")
     date = str(env.get("date", ""))[:10]
     line = ", ".join(parts) + (f"; measured {date}" if date else "") + "."
     return line[0].upper() + line[1:]
@@ -180,7 +184,7 @@ def paged_table(data: dict) -> str:
     parts = []
     rows = [r for r in data["rows"] if r["section"] == "page-vs-dense"]
     if rows:
-        parts.append("Page pools against the dense cache (NHD pools in sequence order):\n\n" + _paged_section(
+        parts.append("Page pools against the dense cache (NHD pools):\n\n" + _paged_section(
             rows, ["cp dense", "cp page 1", "cp page 16", "cp page 64"],
             ["dense", "pages of 1", "pages of 16", "pages of 64"]))
     rows = [r for r in data["rows"] if r["section"] == "peers"]
@@ -402,6 +406,9 @@ class Table(NamedTuple):
 
 
 BENCH = "PYTHONPATH=. python3 benchmarks/"
+# tables with page pools: the library's (bench_paged*) or the peers' copies (FlashInfer's XQA, fa2, cascade)
+PAGED = {"bench_decode", "readme_decode", "bench_d256", "bench_fp8", "bench_paged", "bench_paged_fp8",
+         "bench_paged_d256", "bench_cascade"}
 TORCHRUN = "PYTHONPATH=. torchrun --standalone --nproc-per-node=2 "
 
 
@@ -472,7 +479,7 @@ def render(table: Table, results: Path = RESULTS) -> str | None:
         return None
     body = table.render(*payloads)
     command = _cp_command(payloads[0]) if table.command == "bench_cp" else table.command
-    env = environment_line(payloads[0].get("environment"))
+    env = environment_line(payloads[0].get("environment"), paged=table.name in PAGED)
     graph = "" if table.name in ("bench_overhead", "fp8_accuracy", "generate", "bench_hf") else (
         "µs per call, 20 calls captured in one CUDA graph (median of replays, L2 flushed before each). ")
     command = command if "`" in command else f"`{command}`"  # a command, or markdown naming several

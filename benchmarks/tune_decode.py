@@ -8,7 +8,7 @@ per call in a CUDA graph of 20 calls
 (benchmarks/_harness.py; the split policy decides GPU work only); per shape the best (config, S) against
 the policy's, in a graph and per call. ``--cache`` sweeps another form of the same cache: ``fp8`` (e4m3,
 ``quantize_kv`` per-tensor scales), ``nhd`` (dense ``[B, T, Hkv, D]``), ``paged1``/``paged16``/``paged64``
-(NHD page pools in sequence order, as bench_paged.py builds them).
+(NHD page pools, their page tables scattered as bench_paged.py builds them).
 
     PYTHONPATH=. python3 benchmarks/tune_decode.py
     PYTHONPATH=. python3 benchmarks/tune_decode.py --cache fp8 --shapes 1x131072 64x8192 --configs 128,4,3 128,8,3 128,8,4

@@ -72,3 +72,21 @@ def test_generation_plot(tmp_path):
     path = plot_generate.plot(tables.RESULTS, tmp_path / "generate.png")
     assert path.stat().st_size > 10_000
     assert plot_generate.points(json.loads((tables.RESULTS / "generate_w2.json").read_text()))[-1][0] == 1 << 20
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_benchmark_page_pools_are_scattered(page_size):
+    """benchmarks/peers.py's page pools (the library's and the peers' paged copies) hold each sequence's pages
+    at a random permutation of the pool, and the table it gives reads back the dense cache exactly."""
+    import torch
+
+    from benchmarks import peers
+    from cp_attention import flash_decode
+
+    g = torch.Generator().manual_seed(page_size)
+    q, k, v = (torch.randn(*s, generator=g) for s in ((3, 8, 64), (3, 2, 128, 64), (3, 2, 128, 64)))
+    kp, vp, kwargs = peers.cache_form(k, v, page_size=page_size)
+    table = kwargs["block_table"]
+    assert sorted(table.flatten().tolist()) == list(range(kp.shape[0]))
+    assert not torch.equal(table.flatten(), torch.arange(kp.shape[0], dtype=table.dtype)) or kp.shape[0] < 3
+    assert torch.equal(flash_decode(q, kp, vp, **kwargs), flash_decode(q, k, v))
