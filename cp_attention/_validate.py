@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from ._constants import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES
+from ._constants import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, LOG2E
 
 MAX_Q_ROWS = 16  # query rows per request (speculative drafts, MTP)
 
@@ -63,10 +63,6 @@ def check_sm_scale(sm_scale) -> None:
     if sm_scale is not None and (not isinstance(sm_scale, numbers.Real) or isinstance(sm_scale, bool)
                                  or not math.isfinite(sm_scale)):
         raise TypeError(f"sm_scale must be a finite real number or None, got {sm_scale!r}")
-
-
-def resolve_sm_scale(sm_scale, head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
 
 
 def check_bool(name: str, value) -> None:
@@ -402,6 +398,42 @@ def check_cascade_args(q, levels, *, sm_scale=None, return_lse=False, k_scale=No
     fp8 = [lv.lvl.k.dtype for lv in out if lv.lvl.k.dtype in FP8_DTYPES]
     kv_scale = check_kv_scales(k_scale, v_scale, fp8[0] if fp8 else q.dtype, q.dtype, hkv0, q.device)
     return out, kv_scale
+
+
+def signature(t) -> tuple:
+    """What a prepared call depends on of tensor ``t`` (the keys of Note [The decode hot path] and Note
+    [Cascade attention]: everything the checks read of a CUDA tensor, and the launch's specialisation):
+    shape, strides, dtype, device, 16-byte alignment."""
+    return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15)
+
+
+def optional_signature(t) -> tuple | None:
+    """:func:`signature`, or ``None`` for an absent tensor."""
+    return None if t is None else signature(t)
+
+
+def kernel_scalars(default_scale: float, sm_scale, logit_softcap, k_scale, v_scale) -> tuple:
+    """The kernels' scalar arguments ``(sm_scale, k_scale, v_scale, softcap * log2(e))`` of arguments whose kinds
+    were checked (the keys of Note [The decode hot path] and Note [Cascade attention] hold their classes); the
+    values, which the keys do not hold, are checked here. Tensor FP8 scales are read by the kernels: 1.0 here.
+    ``default_scale``: ``1 / sqrt(D)``, for ``sm_scale=None``."""
+    if sm_scale is None:
+        scale = default_scale
+    else:
+        if sm_scale.__class__ is not float or not math.isfinite(sm_scale):
+            check_sm_scale(sm_scale)
+        scale = float(sm_scale)
+    if logit_softcap is None:
+        cap = 1.0
+    else:
+        if not (logit_softcap > 0 and math.isfinite(logit_softcap)):
+            check_variants(None, logit_softcap, None, 1, None)
+        cap = float(logit_softcap) * LOG2E
+    if k_scale is None or isinstance(k_scale, torch.Tensor):
+        return scale, 1.0, 1.0, cap
+    if not (k_scale > 0 and v_scale > 0 and math.isfinite(k_scale) and math.isfinite(v_scale)):
+        check_kv_scales(k_scale, v_scale, torch.float8_e4m3fn, torch.bfloat16, 1, None)
+    return scale, float(k_scale), float(v_scale), cap
 
 
 def check_inference(fn: str, names: tuple, *args) -> None:

@@ -56,11 +56,11 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import _device, _library
-from ._constants import FP8_DTYPES, LOG2E
+from ._constants import FP8_DTYPES
 from ._device import use_triton
 from ._validate import (PER_REQUEST, SEGMENTS, SHARED_ALL, check_bool, check_cascade_args, check_inference,
-                        check_scale_values, resolve_sm_scale, scale_values_checked)
-from .decode import _opt_sig, _scalars, _sig, flash_decode
+                        check_scale_values, kernel_scalars, optional_signature, scale_values_checked, signature)
+from .decode import flash_decode
 from .heuristics import prefix_plan
 from .quant import dequantize
 from .state import AttentionState, merge_states
@@ -141,29 +141,29 @@ def cascade_decode(q, levels, *, sm_scale=None, k_scale=None, v_scale=None, logi
         # A CUDA call whose key a validated call prepared: only what the key does not fix is checked.
         if return_lse is not False and return_lse is not True:
             check_bool("return_lse", return_lse)
-        scale = _scalars(prep.sm_scale, sm_scale, logit_softcap, k_scale, v_scale)[0]
+        scalars = kernel_scalars(prep.sm_scale, sm_scale, logit_softcap, k_scale, v_scale)
         if isinstance(k_scale, torch.Tensor) and not (scale_values_checked(k_scale) and scale_values_checked(v_scale)):
             check_scale_values("k_scale", k_scale)  # once per tensor version, as flash_decode
             check_scale_values("v_scale", v_scale)
-        st = _run(prep, q, levels, scale, (k_scale, v_scale), logit_softcap, sinks, None)
+        st = _run(prep, q, levels, scalars, (k_scale, v_scale), logit_softcap, sinks, None)
         return st if return_lse else st.o
     if _checked is None:  # (a context-parallel caller checked them in its agreement collective)
         _checked = check_cascade_args(q, levels, sm_scale=sm_scale, return_lse=return_lse, k_scale=k_scale,
                                       v_scale=v_scale, logit_softcap=logit_softcap, sinks=sinks)
     checked, kv_scale = _checked
-    scale = resolve_sm_scale(sm_scale, q.shape[-1])
+    scalars = kernel_scalars(1.0 / math.sqrt(q.shape[-1]), sm_scale, logit_softcap, k_scale, v_scale)
     # Levels without positions add nothing to any request.
     if use_triton(q) and q.numel() > 0 and any(lv.t_max > 0 for lv in checked):
         prep = _prepare(q, checked, (k_scale, v_scale, kv_scale), logit_softcap is not None, sinks, _num_splits,
                         _config, _out is None)
-        st = _run(prep, q, levels, scale, (k_scale, v_scale), logit_softcap, sinks, _out)
+        st = _run(prep, q, levels, scalars, (k_scale, v_scale), logit_softcap, sinks, _out)
         if key is not None and prep.cuda is not None:
             if len(_PREPARED) >= _MAX_PREPARED:
                 _PREPARED.clear()
             _PREPARED[key] = prep
     else:  # the torch path (fp32), or nothing to read
         work = [lv for lv in checked if lv.t_max > 0]
-        st = _cascade_torch(q, work, checked[-1], scale, (k_scale, v_scale, kv_scale), logit_softcap, sinks)
+        st = _cascade_torch(q, work, checked[-1], scalars[0], (k_scale, v_scale, kv_scale), logit_softcap, sinks)
         if _out is not None:
             st = AttentionState(_out[0].copy_(st.o.reshape(_out[0].shape)), _out[1].copy_(st.lse.reshape(-1)))
         else:
@@ -201,11 +201,11 @@ def _key(q, levels, sm_scale, k_scale, v_scale, logit_softcap, sinks) -> tuple:
     for lvl in levels:
         if lvl.__class__ is not CascadeLevel:
             raise TypeError("levels")
-        lv.append((_sig(lvl.k), _sig(lvl.v), _opt_sig(lvl.seq_lens), _opt_sig(lvl.segment_ids),
-                   _opt_sig(lvl.block_table)))
-    return (_sig(q), tuple(lv), sm_scale.__class__, logit_softcap.__class__, _opt_sig(sinks),
-            _sig(k_scale) if isinstance(k_scale, torch.Tensor) else k_scale.__class__,
-            _sig(v_scale) if isinstance(v_scale, torch.Tensor) else v_scale.__class__)
+        lv.append((signature(lvl.k), signature(lvl.v), optional_signature(lvl.seq_lens),
+                   optional_signature(lvl.segment_ids), optional_signature(lvl.block_table)))
+    return (signature(q), tuple(lv), sm_scale.__class__, logit_softcap.__class__, optional_signature(sinks),
+            signature(k_scale) if isinstance(k_scale, torch.Tensor) else k_scale.__class__,
+            signature(v_scale) if isinstance(v_scale, torch.Tensor) else v_scale.__class__)
 
 
 def _all_visible(q, t_max):
@@ -252,7 +252,8 @@ def _prepare(q, checked, scales, softcap: bool, sinks, fixed_splits, config, mer
         lvl = lv.lvl
         layout, k_scale, v_scale, lv_scale = _level_args(lvl, scales)
         launchers.append(prefix_launcher(
-            q, lvl.k, lvl.v, lvl.seq_lens, lvl.block_table, o_strides, rows, plan=plan, has_segments=lv.kind == SEGMENTS,
+            q, lvl.k, lvl.v, lvl.seq_lens, lvl.block_table, o_strides, rows, plan=plan,
+            has_segments=lv.kind == SEGMENTS,
             kv_layout=layout, causal=i == len(checked) - 1, k_scale=k_scale, v_scale=v_scale, kv_scale=lv_scale,
             softcap=softcap, pdl=pdl, device=cuda))
     has_shared = any(p is not None for p in plans)
@@ -263,10 +264,12 @@ def _prepare(q, checked, scales, softcap: bool, sinks, fixed_splits, config, mer
                      tuple(launchers), tuple(starts), merger, side, scales[2], rows, q_rows, cuda, 1.0 / math.sqrt(d))
 
 
-def _run(prep: _Prepared, q, levels, scale: float, scales: tuple, softcap, sinks, out) -> AttentionState:
+def _run(prep: _Prepared, q, levels, scalars: tuple, scales: tuple, softcap, sinks, out) -> AttentionState:
     """Launch ``prep``'s kernels for these arguments (of the prepared key): the shared levels, the
-    per-request ones (on the side stream), the merge. Tensors go to a launcher's first launch (it compiles;
-    the interpreter runs) and to launch hooks; later launches on CUDA take their pointers."""
+    per-request ones (on the side stream), the merge. ``scalars``: the kernels' ``(sm_scale, k_scale, v_scale,
+    cap)`` (:func:`~cp_attention._validate.kernel_scalars`); ``scales``: the FP8 scales as given. Tensors go to
+    a launcher's first launch (it compiles; the interpreter runs) and to launch hooks; later launches on CUDA
+    take their pointers."""
     from .ops.merge import merge_states_into
 
     d, rows, dev = q.shape[-1], prep.rows, q.device
@@ -274,9 +277,7 @@ def _run(prep: _Prepared, q, levels, scale: float, scales: tuple, softcap, sinks
     o_all = _device.new_buffer((n_slots, rows, d), torch.float32, dev)
     lse_all = _device.new_buffer((n_slots, rows), torch.float32, dev)
     k_scale, v_scale = scales
-    fp8_floats = prep.kv_scale == 1
-    ksf, vsf = (float(k_scale), float(v_scale)) if fp8_floats else (1.0, 1.0)
-    cap = float(softcap) * LOG2E if softcap is not None else 1.0
+    scale, ksf, vsf, cap = scalars
     side = _side_stream(dev) if prep.side else None
     stream = torch._C._cuda_getCurrentRawStream(prep.cuda) if prep.cuda is not None else None
     if side is not None:

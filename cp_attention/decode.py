@@ -11,7 +11,7 @@ an earlier call with the same key prepared once every check had passed: the plan
 :class:`~cp_attention.ops._launch.Launcher` objects (``ops.split_kv.decode_launchers``), the output's shape.
 Everything the checks read is in the key, so a call that would fail them misses the cache and is checked in
 full; what the key does not fix (``sm_scale``, ``return_lse``, the softcap's and float FP8 scales' values) is
-checked at every call by :func:`_scalars`. The kernel then gets the pointers the key read
+checked at every call by :func:`~cp_attention._validate.kernel_scalars`. The kernel then gets the pointers the key read
 (``Launcher.launch_ptrs``). That is the path of CUDA tensors, whose index values are never read on the host
 (no sync; the kernels clamp them); host tensors (the interpreter) are checked in full at every call and only
 reuse the prepared launch. The last key found sits beside the dict, so a call site that repeats its call (a
@@ -27,10 +27,9 @@ from typing import NamedTuple
 import torch
 
 from . import _device, _library
-from ._constants import LOG2E
 from ._device import use_triton
-from ._validate import (CacheGeometry, check_bool, check_decode_args, check_inference, check_kv_scales, check_scale_values,
-                        check_sm_scale, check_variants, scale_values_checked, unpack_out)
+from ._validate import (CacheGeometry, check_bool, check_decode_args, check_inference, check_scale_values,
+                        kernel_scalars, optional_signature, scale_values_checked, signature, unpack_out)
 from .heuristics import plan_decode
 from .quant import dequantize
 from .state import AttentionState
@@ -136,21 +135,12 @@ def _scratch(prep: _Prepared, stream: int) -> _Scratch:
     return s
 
 
-def _sig(t) -> tuple:
-    """What a launch prepared for ``t`` depends on: shape, strides, dtype, device, 16-byte alignment."""
-    return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15)
-
-
-def _opt_sig(t) -> tuple | None:
-    return None if t is None else _sig(t)
-
-
 def _out_key(out) -> tuple:
     """The key's part for an ``out`` that is not a plain tensor: a pair of tensors (anything else raises)."""
     if isinstance(out, torch.Tensor):
-        return _sig(out)
+        return signature(out)
     o, lse = out
-    return (out.__class__, _sig(o), _sig(lse))
+    return (out.__class__, signature(o), signature(lse))
 
 
 def _rare_key(block_table, k_scale, v_scale, window_left, logit_softcap, sinks, plan, num_splits, split_size,
@@ -158,9 +148,9 @@ def _rare_key(block_table, k_scale, v_scale, window_left, logit_softcap, sinks, 
     """The key's part for the less common arguments (one of them is given). Python values go in with their
     class (``num_splits=2.0`` equals ``2`` but is refused), those read at every call (scales, softcap) by
     class only. Anything unexpected raises, and the call then takes the checked path."""
-    return (_opt_sig(block_table), _opt_sig(row_limits), _opt_sig(sinks),
-            _sig(k_scale) if isinstance(k_scale, torch.Tensor) else k_scale.__class__,
-            _sig(v_scale) if isinstance(v_scale, torch.Tensor) else v_scale.__class__,
+    return (optional_signature(block_table), optional_signature(row_limits), optional_signature(sinks),
+            signature(k_scale) if isinstance(k_scale, torch.Tensor) else k_scale.__class__,
+            signature(v_scale) if isinstance(v_scale, torch.Tensor) else v_scale.__class__,
             window_left.__class__, window_left, logit_softcap.__class__, plan.__class__, plan,
             num_splits.__class__, num_splits, split_size.__class__, split_size, span,
             None if export is None else export.data_ptr() & 15, pdl)
@@ -288,7 +278,7 @@ def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num
     # A CUDA call whose key a validated call prepared: only what the key does not fix is checked.
     if return_lse is not False and return_lse is not True:
         check_bool("return_lse", return_lse)
-    scale, ks, vs, cap = _scalars(prep.sm_scale, sm_scale, logit_softcap, k_scale, v_scale)
+    scale, ks, vs, cap = kernel_scalars(prep.sm_scale, sm_scale, logit_softcap, k_scale, v_scale)
     if isinstance(k_scale, torch.Tensor):
         kscp, vscp = k_scale.data_ptr(), v_scale.data_ptr()
         if not (scale_values_checked(k_scale) and scale_values_checked(v_scale)):  # once per version
@@ -325,29 +315,6 @@ def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num
     if return_lse:
         return AttentionState(o, lse_out)
     return o
-
-
-def _scalars(default_scale: float, sm_scale, logit_softcap, k_scale, v_scale) -> tuple:
-    """The kernels' scalar arguments ``(sm_scale, k_scale, v_scale, softcap * log2(e))`` of arguments whose kinds
-    were checked (the key of Note [The decode hot path] holds their classes); the values, which the key does
-    not hold, are checked here. Tensor FP8 scales are read by the kernels: 1.0 here."""
-    if sm_scale is None:
-        scale = default_scale
-    else:
-        if sm_scale.__class__ is not float or not math.isfinite(sm_scale):
-            check_sm_scale(sm_scale)
-        scale = float(sm_scale)
-    if logit_softcap is None:
-        cap = 1.0
-    else:
-        if not (logit_softcap > 0 and math.isfinite(logit_softcap)):
-            check_variants(None, logit_softcap, None, 1, None)
-        cap = float(logit_softcap) * LOG2E
-    if k_scale is None or isinstance(k_scale, torch.Tensor):
-        return scale, 1.0, 1.0, cap
-    if not (k_scale > 0 and v_scale > 0 and math.isfinite(k_scale) and math.isfinite(v_scale)):
-        check_kv_scales(k_scale, v_scale, torch.float8_e4m3fn, torch.bfloat16, 1, None)
-    return scale, float(k_scale), float(v_scale), cap
 
 
 def _launch(prep: _Prepared, scratch: _Scratch, q, k, v, seq_lens, block_table, row_limits, k_scale, v_scale, sinks,
@@ -427,7 +394,7 @@ def decode_checked(q, k, v, seq_lens, geo: CacheGeometry, *, block_table=None, s
         lse_out = _device.new_buffer(prep.lse_shape, torch.float32, prep.device)
     if prep.launches:
         stream = torch._C._cuda_getCurrentRawStream(prep.cuda) if prep.cuda is not None else 0
-        scale, ks, vs, cap = _scalars(prep.sm_scale, sm_scale, logit_softcap, k_scale, v_scale)
+        scale, ks, vs, cap = kernel_scalars(prep.sm_scale, sm_scale, logit_softcap, k_scale, v_scale)
         _launch(prep, _scratch(prep, stream), q, k, v, seq_lens, block_table, row_limits, k_scale, v_scale, sinks, o,
                 lse_out, export, scale, ks, vs, cap)
     if new and key is not None:  # kept once launched: a later call with this key takes the launchers' direct path
