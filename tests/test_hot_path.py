@@ -4,6 +4,7 @@ runtime queries answered in Python, a recording stand-in for the compiled kernel
 arguments and the checks a repeated call still runs are tested on the CPU. The kernels' results on that path are tested on the GPU (test_gpu.py) and, through the
 same prepared launches, under the interpreter (the other test files)."""
 import collections
+import contextlib
 
 import pytest
 import torch
@@ -42,14 +43,13 @@ class _Compiled:
         return lambda *args: self.log.append(("triton", args))
 
 
-@pytest.fixture
-def cuda_path(monkeypatch):
-    """CPU tensors take flash_decode's CUDA path; returns the split kernel's launches (kind, arguments), and
-    the combine kernel's in ``.combine``."""
-    log = _Log()
-
+@contextlib.contextmanager
+def _on_the_cuda_path(monkeypatch, log_of):
+    """CPU tensors take the CUDA code path: ``is_cuda`` true, the two CUDA runtime queries answered in Python,
+    and every ``@triton.jit`` kernel's first launch recorded as ``("jit", arguments)`` into ``log_of(kernel)``
+    (later launches by the :class:`_Compiled` stand-in it returns)."""
     def getitem(kernel, grid):
-        mine = log if kernel is _split_kv_kernel else log.combine
+        mine = log_of(kernel)
 
         def first_launch(*args, **kwargs):  # the JIT: compiles, launches, returns the compiled kernel
             mine.append(("jit", args + tuple(x for name, x in kwargs.items() if name in kernel.arg_names)))
@@ -59,13 +59,22 @@ def cuda_path(monkeypatch):
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: -1, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
     monkeypatch.setattr(type(_split_kv_kernel), "__getitem__", getitem)
-    for name, empty in (("_PREPARED", {}), ("_SCRATCH", {}), ("_LAST", (None, None))):
-        monkeypatch.setattr(decode, name, empty)
     torch.Tensor.is_cuda = property(lambda self: True)
     try:
-        yield log
+        yield
     finally:
         del torch.Tensor.is_cuda
+
+
+@pytest.fixture
+def cuda_path(monkeypatch):
+    """CPU tensors take flash_decode's CUDA path; returns the split kernel's launches (kind, arguments), and
+    the combine kernel's in ``.combine``."""
+    log = _Log()
+    for name, empty in (("_PREPARED", {}), ("_SCRATCH", {}), ("_LAST", (None, None))):
+        monkeypatch.setattr(decode, name, empty)
+    with _on_the_cuda_path(monkeypatch, lambda kernel: log if kernel is _split_kv_kernel else log.combine):
+        yield log
 
 
 def make(b=2, hq=8, hkv=2, t=300, d=64, dtype=torch.bfloat16, seed=0):
@@ -224,24 +233,9 @@ MERGE_NAMES = _merge_states_kernel.arg_names
 def kernel_log(monkeypatch):
     """CPU tensors take cascade_decode's CUDA path; returns every kernel's launches, ``{name: [(kind, args)]}``."""
     log = collections.defaultdict(list)
-
-    def getitem(kernel, grid):
-        mine = log[kernel.__name__]
-
-        def first_launch(*args, **kwargs):  # the JIT: compiles, launches, returns the compiled kernel
-            mine.append(("jit", args + tuple(x for name, x in kwargs.items() if name in kernel.arg_names)))
-            return _Compiled(mine)
-        return first_launch
-
-    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: -1, raising=False)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
-    monkeypatch.setattr(type(_prefix_kernel), "__getitem__", getitem)
     monkeypatch.setattr(cascade, "_PREPARED", {})
-    torch.Tensor.is_cuda = property(lambda self: True)
-    try:
+    with _on_the_cuda_path(monkeypatch, lambda kernel: log[kernel.__name__]):
         yield log
-    finally:
-        del torch.Tensor.is_cuda
 
 
 def two_shared_levels(seed, b=3, hq=8, hkv=2, d=64, dtype=torch.bfloat16):
