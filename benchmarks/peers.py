@@ -100,16 +100,20 @@ def paged(x, page_size: int, dtype=None, scale: float = 1.0):
     """Dense HND ``x [N, Hkv, T, D]`` -> NHD pages ``[N * T / page_size, page_size, Hkv, D]`` holding
     ``x / scale`` in ``dtype`` (default ``x.dtype``), scattered over the pool as a serving cache's allocator
     leaves them: sequence ``i``'s pages are row ``i`` of :func:`page_table`. Copied one sequence at a time (the
-    only temporary is one sequence in float32 when ``scale`` is given)."""
+    only temporary is one sequence in float32 when ``scale`` is given), as bytes for one-byte dtypes (CUDA has
+    no FP8 ``index_copy_``)."""
     n, hkv, t, d = x.shape
     if t % page_size:
         raise ValueError(f"T = {t} is not a multiple of page_size = {page_size}")
     per_seq = t // page_size
     pages = torch.empty(n * per_seq, page_size, hkv, d, dtype=dtype or x.dtype, device=x.device)
     order = page_order(n * per_seq, x.device).view(n, per_seq)
+    byte = pages.element_size() == 1
+    into = pages.view(torch.uint8) if byte else pages
     for i in range(n):
         src = x[i] if scale == 1.0 else x[i].float() / scale
-        pages.index_copy_(0, order[i], src.reshape(hkv, per_seq, page_size, d).permute(1, 2, 0, 3).to(pages.dtype))
+        src = src.reshape(hkv, per_seq, page_size, d).permute(1, 2, 0, 3).to(pages.dtype)
+        into.index_copy_(0, order[i], src.view(torch.uint8) if byte else src)
     return pages
 
 

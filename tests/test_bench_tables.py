@@ -90,3 +90,17 @@ def test_benchmark_page_pools_are_scattered(page_size):
     assert sorted(table.flatten().tolist()) == list(range(kp.shape[0]))
     assert not torch.equal(table.flatten(), torch.arange(kp.shape[0], dtype=table.dtype)) or kp.shape[0] < 3
     assert torch.equal(flash_decode(q, kp, vp, **kwargs), flash_decode(q, k, v))
+
+
+def test_benchmark_fp8_page_pools_hold_the_quantised_cache():
+    """An FP8 pool (copied as bytes: CUDA has no FP8 ``index_copy_``) holds ``x / scale`` in e4m3 at the pages
+    of its table."""
+    import torch
+
+    from benchmarks import peers
+
+    x = torch.randn(2, 3, 64, 16, generator=torch.Generator().manual_seed(0))
+    pages = peers.paged(x, 16, torch.float8_e4m3fn, scale=0.5)
+    table = peers.page_table(2, 4, "cpu").long()
+    dense = pages[table].reshape(2, 64, 3, 16).permute(0, 2, 1, 3)
+    assert torch.equal(dense.view(torch.uint8), (x / 0.5).to(torch.float8_e4m3fn).view(torch.uint8))
