@@ -305,15 +305,15 @@ def _run(prep: _Prepared, q, levels, scalars: tuple, scales: tuple, softcap, sin
             launcher(q, lvl.k, lvl.v, sl, bt, perm, tiles, k_sc, v_sc, o_all[slot:end], lse_all[slot:end], scale, ks,
                      vs, cap)
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        for (i, _, _, t_max, fp8, is_last), launcher, slot in zip(prep.work, prep.launchers, prep.starts):
+        for (i, _, _, t_max, _, is_last), launcher, slot in zip(prep.work, prep.launchers, prep.starts):
             if launcher is not None:
                 continue
             lvl = levels[i]  # its fp32 state goes straight into its slot, unrounded
+            layout, lk_scale, lv_scale, _ = _level_args(lvl, (k_scale, v_scale, prep.kv_scale))
             limits = _all_visible(q, t_max) if prep.q_rows > 1 and not is_last else None
-            flash_decode(q, lvl.k, lvl.v, lvl.seq_lens, block_table=lvl.block_table,
-                         kv_layout="NHD" if lvl.block_table is not None else "HND", sm_scale=scale,
-                         k_scale=k_scale if fp8 else None, v_scale=v_scale if fp8 else None, logit_softcap=softcap,
-                         row_limits=limits, _pdl=side is None,
+            flash_decode(q, lvl.k, lvl.v, lvl.seq_lens, block_table=lvl.block_table, kv_layout=layout,
+                         sm_scale=scale, k_scale=lk_scale, v_scale=lv_scale, logit_softcap=softcap, row_limits=limits,
+                         _pdl=side is None,
                          out=AttentionState(o_all[slot].view(q.shape), lse_all[slot].view(q.shape[:-1])))
     if side is not None:
         main.wait_stream(side)  # the join, before the merge
