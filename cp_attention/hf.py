@@ -527,10 +527,15 @@ class CPCache(Cache):
     ``get_seq_length()`` is the global, padded length (what a ``DynamicCache`` reports). The left padding of
     the batch is fixed at the prefill (``generate()`` extends the mask with ones).
 
-    >>> import cp_attention.hf
+    >>> from transformers import AutoModelForCausalLM, LlamaConfig
+    >>> config = LlamaConfig(vocab_size=97, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    ...                      num_attention_heads=4, num_key_value_heads=2)      # a tiny random model
     >>> model = AutoModelForCausalLM.from_config(config, attn_implementation="cp_attention")
-    >>> cache = cp_attention.hf.CPCache(model.config, max_cache_len=4096)
-    >>> out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=32)
+    >>> ids = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]])
+    >>> mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])                 # row 0 left-padded
+    >>> cache = CPCache(model.config, max_cache_len=64)
+    >>> model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=4, do_sample=False).shape
+    torch.Size([2, 9])
     """
 
     def __init__(self, config, *, group=None, max_cache_len=None, page_size=None, dtype=None, device=None):
@@ -707,7 +712,7 @@ def cp_attention_forward(module, query, key, value, attention_mask, scaling=None
         the window and the padding let each query see, merged across the ranks (Note [Context-parallel
         attention inside transformers]). A query that sees no key (a padding position) gets ``o = 0``.
 
-    >>> model = AutoModelForCausalLM.from_config(config, attn_implementation="cp_attention")
+    transformers calls it for a model loaded with ``attn_implementation="cp_attention"`` (:class:`CPCache`).
     """
     layer = _ACTIVE.layer
     _ACTIVE.layer = None

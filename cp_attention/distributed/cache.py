@@ -48,9 +48,13 @@ class CPKVCache:
     the capacity is not advanced by replays: the caller bounds them by :attr:`free_slots` (beyond it,
     tokens are dropped on the device, never written out of bounds).
 
-    >>> cache = CPKVCache(2, 8, 128, max_seq_len=4096, rank=dist.get_rank(), world_size=dist.get_world_size())
-    >>> cache.append(k_tok, v_tok)     # [2, 8, 128] each, the same on every rank
-    >>> o = cache.decode(q)            # [2, Hq, 128], attention over all appended tokens
+    On every rank of an initialised process group (torchrun), with the same tokens on every rank:
+
+    >>> cache = CPKVCache(2, 2, 64, max_seq_len=256, dtype=torch.float32)   # rank, size: the default group's
+    >>> for _ in range(5):                                # one token per sequence a step, [B, Hkv, D]
+    ...     cache.append(torch.randn(2, 2, 64), torch.randn(2, 2, 64))
+    >>> cache.decode(torch.randn(2, 8, 64)).shape         # [B, Hq, D]: attention over the 5 tokens
+    torch.Size([2, 8, 64])
     """
 
     def __init__(self, batch, heads_kv, head_dim, max_seq_len, *, dtype=torch.bfloat16, device=None,
@@ -116,7 +120,10 @@ class CPKVCache:
         amax scales of :func:`cp_attention.quantize_kv` of the whole prefix when they are not given (the same
         on every rank, which holds the same prefix).
 
-        >>> cache = CPKVCache.from_prefix(k, v, seq_lens, max_seq_len=k.shape[2] + 64)
+        >>> k, v = torch.randn(2, 2, 100, 64), torch.randn(2, 2, 100, 64)   # the whole prefix, on every rank
+        >>> cache = CPKVCache.from_prefix(k, v, torch.tensor([100, 37]), max_seq_len=164)
+        >>> cache.global_seq_lens.tolist()
+        [100, 37]
         """
         check_tensor("k", k, dtypes=FLOAT_DTYPES + FP8_DTYPES, ndim=4)
         b, hkv, t, d = k.shape

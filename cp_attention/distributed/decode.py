@@ -66,10 +66,11 @@ def all_gather_states(state, group=None) -> AttentionState:
         ``[..., D + 1]`` (see Note [Context-parallel decode]); for float32 ``o`` both are strided views
         of that buffer.
 
-    >>> # on each of 2 ranks, after dist.init_process_group(...)
+    On every rank of an initialised process group of ``W`` ranks (here one):
+
     >>> st = all_gather_states(AttentionState(torch.zeros(4, 8, 64), torch.zeros(4, 8)))
-    >>> st.o.shape, st.lse.shape
-    (torch.Size([2, 4, 8, 64]), torch.Size([2, 4, 8]))
+    >>> st.o.shape, st.lse.shape                      # [W, 4, 8, 64], [W, 4, 8]
+    (torch.Size([1, 4, 8, 64]), torch.Size([1, 4, 8]))
     """
     check_inference("all_gather_states", ("state",), state)
     check_state("state", state)
@@ -102,8 +103,11 @@ def merge_across_ranks(state, group=None) -> AttentionState:
         ``AttentionState(o [..., D] in state.o's dtype, lse [...] float32, natural log)``, bitwise
         identical on every rank (every rank merges the same gathered states in rank order).
 
-    >>> # rank r holds the state of its own keys; every rank gets the state of all keys
-    >>> merged = merge_across_ranks(AttentionState(o_local, lse_local))
+    Each rank passes the state of its own keys and gets the state of all keys:
+
+    >>> merged = merge_across_ranks(AttentionState(torch.ones(2, 8, 64), torch.zeros(2, 8)))
+    >>> merged.o.shape, merged.lse.shape               # the state of every rank's keys together
+    (torch.Size([2, 8, 64]), torch.Size([2, 8]))
     """
     check_inference("merge_across_ranks", ("state",), state)
     check_state("state", state)
@@ -118,7 +122,9 @@ def init_distributed(device_type: str = "cuda", timeout_s: float = 600.0) -> tor
     """Join the default process group of a ``torchrun`` launch: NCCL on this rank's GPU (``LOCAL_RANK``,
     NVLink multicast left off) or gloo on the CPU. Returns the device this rank computes on.
 
-    >>> device = init_distributed("cuda")          # under torchrun --nproc-per-node=<GPUs>
+    Under ``torchrun --nproc-per-node=<GPUs>``:
+
+    >>> device = init_distributed("cuda")  # doctest: +SKIP
     """
     if device_type not in ("cuda", "cpu"):
         raise ValueError(f"device_type must be 'cuda' or 'cpu', got {device_type!r}")
@@ -247,9 +253,17 @@ def cp_flash_decode(q, k_shard, v_shard, seq_lens_shard, *, group=None, check_me
         ``return_lse=True``; bitwise identical on every rank. No host sync with ``check_metadata=False``
         on CUDA (it can be captured in a CUDA graph; NCCL collectives can be).
 
-    >>> # rank r of W, after dist.init_process_group(...); k, v [B, Hkv, T, D] the full cache
+    On every rank of an initialised process group, each holding its shard of the same cache:
+
+    >>> from cp_attention import flash_decode
+    >>> from cp_attention.distributed import shard_kv
+    >>> _ = torch.manual_seed(0)                       # the same full cache on every rank
+    >>> q, k, v = torch.randn(2, 8, 64), torch.randn(2, 2, 300, 64), torch.randn(2, 2, 300, 64)
+    >>> seq_lens = torch.tensor([300, 41])
     >>> ks, vs, lens = shard_kv(k, v, seq_lens, dist.get_rank(), dist.get_world_size())
-    >>> o = cp_flash_decode(q, ks, vs, lens)          # == flash_decode(q, k, v, seq_lens)
+    >>> o = cp_flash_decode(q, ks, vs, lens)
+    >>> torch.allclose(o, flash_decode(q, k, v, seq_lens), atol=1e-5)
+    True
     """
     check_inference("cp_flash_decode", ("q", "k_shard", "v_shard", *flash_decode_kwargs), q, k_shard, v_shard,
                     *flash_decode_kwargs.values())
@@ -280,8 +294,19 @@ def cp_cascade_decode(q, levels, *, group=None, check_metadata=True, **cascade_k
     Returns:
         As :func:`cascade_decode`, bitwise identical on every rank.
 
-    >>> ks, vs, lens = shard_kv(prefix_k, prefix_v, None, rank, world)       # [1, Hkv, C, D] each
-    >>> o = cp_cascade_decode(q, [CascadeLevel(ks, vs, lens), own_tokens_shard])
+    On every rank of an initialised process group: a prefix shared by 4 requests and 20 tokens of each, both
+    sharded:
+
+    >>> from cp_attention import CascadeLevel, cascade_decode
+    >>> from cp_attention.distributed import shard_kv
+    >>> rank, world = dist.get_rank(), dist.get_world_size()
+    >>> pk, pv = torch.randn(1, 2, 200, 64), torch.randn(1, 2, 200, 64)        # one shared segment
+    >>> ok, ov = torch.randn(4, 2, 20, 64), torch.randn(4, 2, 20, 64)          # one segment a request
+    >>> q = torch.randn(4, 8, 64)
+    >>> shards = [CascadeLevel(*shard_kv(pk, pv, None, rank, world)), CascadeLevel(*shard_kv(ok, ov, None, rank, world))]
+    >>> o = cp_cascade_decode(q, shards)
+    >>> torch.allclose(o, cascade_decode(q, [CascadeLevel(pk, pv), CascadeLevel(ok, ov)]), atol=1e-5)
+    True
     """
     check_inference("cp_cascade_decode", ("q", "levels", *cascade_kwargs), q, levels, *cascade_kwargs.values())
     if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] > 1:

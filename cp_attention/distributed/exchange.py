@@ -184,6 +184,7 @@ def set_exchange(kind: str = "auto", group=None) -> None:
     use it), ``"collective"`` (NCCL / gloo all-gather) or ``"auto"`` (symm where possible, the default).
 
     >>> set_exchange("collective")      # e.g. to compare against NCCL in a benchmark
+    >>> set_exchange("auto")
     """
     if kind not in EXCHANGES:
         raise ValueError(f"kind must be one of {EXCHANGES}, got {kind!r}")
