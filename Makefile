@@ -1,10 +1,12 @@
 # Two commands: `make demo` (decode over a KV cache sharded across processes) and `make test`.
-# Without a GPU: a .venv with the CPU build of torch and the Triton whose interpreter runs the kernels on the
-# CPU. With a GPU: the Python that already has torch and triton (>= 3.6) on the PATH (a virtualenv's or conda
+# Without a GPU: a .venv with torch and the Triton whose interpreter runs the kernels on the CPU (TORCH_INDEX,
+# e.g. https://download.pytorch.org/whl/cpu, is the index torch comes from: its CPU build; by default pip's
+# own sources, where plain PyPI gives the CUDA build, which runs on a CPU too). With a GPU: the Python that already has torch and triton (>= 3.6) on the PATH (a virtualenv's or conda
 # env's python3 included) runs from the checkout with PYTHONPATH=.; nothing is installed from the network.
 VENV ?= .venv
 TORCH_CPU ?= torch==2.13.0
 TRITON_CPU ?= triton==3.9.0
+TORCH_INDEX ?=
 NGPU := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 
 ifeq ($(NGPU),0)
@@ -13,7 +15,8 @@ RUN := $(PY)
 READY := $(VENV)/.ready
 $(VENV)/.ready: pyproject.toml
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q $(TORCH_CPU) $(TRITON_CPU) && $(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) $(TORCH_CPU)
+	$(PY) -m pip install -q $(TRITON_CPU) -e '.[test,bench]'
 	touch $@
 else
 PY := $(shell for p in python3 python; do $$p -c 'import torch, triton' >/dev/null 2>&1 && command -v $$p && break; done)
