@@ -12,7 +12,7 @@ T=8k, B=1 T=128k, B=16 T=32k, B=64 T=8k only.
 Per implementation and shape: median µs per call (``triton.testing.do_bench``, L2 flushed before each
 call) and per call in a CUDA graph of 20 calls (L2 flushed before each replay: see benchmarks/_harness.py;
 a cache smaller than the L2 is then partly read from the L2); TB/s = K+V bytes of the implementation's
-cache / time; the graph TB/s as a fraction of the 4.47 TB/s read ceiling; max |o - o_cp_attention|; for
+cache / time; the graph TB/s as a fraction of a Triton streaming read's 4.47 TB/s; max |o - o_cp_attention|; for
 the SDPA lines, the GPU kernels one call launches (which kernel torch picked); per shape, flash_decode's
 split count (cp_attention.heuristics.decode_plan). Peers that copy the cache into pages do so before
 timing and free it after; one that would not fit in free memory is skipped with the reason, one that
@@ -22,11 +22,12 @@ fails records its error, and the other numbers stay.
     PYTHONPATH=. python3 benchmarks/bench_decode.py --quick
     PYTHONPATH=. python3 benchmarks/bench_decode.py --shapes 1x128k 64x8k --heads --impls cp_attention sdpa
 
-FlashInfer (the flashinfer-python 0.7.2.post1 and apache-tvm-ffi wheels, for example in .fi/)
-is installed on the device first; without it the FlashInfer rows record the import error:
+The FlashInfer rows need flashinfer-python 0.7.2.post1 (with apache-tvm-ffi) importable, e.g. installed from a
+directory of wheels into a site directory ``$SITE`` (each FlashInfer kernel JIT-compiles on first use, which
+needs ``CUDA_HOME``); without it those rows record the import error and the others still run:
 
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .fi/*.whl && export PYTHONPATH=/tmp/site:. CUDA_HOME=/usr/local/cuda FLASHINFER_WORKSPACE_BASE=/tmp
-    python3 benchmarks/bench_decode.py --quick
+    python3 -m pip install -q --no-index --no-deps --target "$SITE" WHEELS/*.whl
+    PYTHONPATH="$SITE":. CUDA_HOME=/usr/local/cuda FLASHINFER_WORKSPACE_BASE="$SITE" python3 benchmarks/bench_decode.py --quick
 
 Writes benchmarks/results/<name>.json (after every shape) and <name>.png (TB/s against context, a panel
 per batch size and one for the other head shapes); the output ends with a compact table.
@@ -47,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import peers  # noqa: E402
 from benchmarks._harness import (  # noqa: E402
-    CUDNN_READ_TBS, DTYPES, GRAPH_CALLS, READ_CEILING_TBS, RESULTS, TOLERANCES, bench_call, bench_graph, kernel_names,
+    DTYPES, GRAPH_CALLS, STREAM_READ_TBS, RESULTS, TOLERANCES, bench_call, bench_graph, kernel_names,
     max_abs_diff, table, tbs, tqdm, write_json, write_tables,
 )
 
@@ -132,7 +133,7 @@ def measure(name, q, k, v, ref, row, kv_bytes, dtype):
             us = bench(fn)
             row[f"{name}_{mode}_us"] = us
             row[f"{name}_{mode}_TBs"] = tbs(nbytes, us)
-        row[f"{name}_graph_ceiling"] = row[f"{name}_graph_TBs"] / READ_CEILING_TBS
+        row[f"{name}_graph_vs_stream"] = row[f"{name}_graph_TBs"] / STREAM_READ_TBS
     except Exception as e:  # a failing peer must not lose the other numbers
         row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:400]
         tqdm.write(f"[B={row['B']} T={row['T']} {row['heads']}] {name}: {row[f'{name}_error']}", file=sys.stderr)
@@ -204,8 +205,7 @@ def plot(rows, impls, path):
                     label = f"{name} ({'graph' if mode == 'graph' else 'per call'})"
                     ax.plot(*zip(*pts), "o" + ("" if other else style), color=f"C{i}",
                             mfc="none" if mode == "call" else None, label=label)
-        ax.axhline(READ_CEILING_TBS, color="k", lw=0.8, ls="--", label=f"read ceiling {READ_CEILING_TBS} TB/s")
-        ax.axhline(CUDNN_READ_TBS, color="grey", lw=0.6, ls=":", label=f"cuDNN decode at B=1 T=1M: {CUDNN_READ_TBS}")
+        ax.axhline(STREAM_READ_TBS, color="k", lw=0.8, ls="--", label=f"Triton streaming read {STREAM_READ_TBS} TB/s")
         if other:
             ax.set_xticks(xs, labels, fontsize=6, rotation=60)
         else:
@@ -269,7 +269,7 @@ def main():
     todo = cases(args)
     rows, not_run = [], []
     config = {"dtype": args.dtype, "impls": args.impls, "graph_calls": GRAPH_CALLS,
-              "read_ceiling_TBs": READ_CEILING_TBS, "cudnn_1M_TBs": CUDNN_READ_TBS, "xqa_page_size": 64,
+              "stream_read_TBs": STREAM_READ_TBS, "xqa_page_size": 64,
               "fa2_page_size": 16,
               "timing": "triton.testing.do_bench median (L2 flushed before each call / each graph replay)"}
     for case in tqdm(todo, desc="decode shapes"):

@@ -21,10 +21,10 @@ peers. Sections (``--sections``):
 the K+V bytes read (one byte an element for e4m3). Needs FlashInfer for the peer lines (installed as
 bench_decode.py's docstring says; without it those rows record the import error):
 
-    PYTHONPATH=/tmp/site:. python3 benchmarks/bench_paged.py
+    PYTHONPATH="$SITE":. python3 benchmarks/bench_paged.py
     PYTHONPATH=. python3 benchmarks/bench_paged.py --sections page-vs-dense drafts
-    PYTHONPATH=/tmp/site:. python3 benchmarks/bench_paged.py --sections fp8 --name bench_paged_fp8
-    PYTHONPATH=/tmp/site:. python3 benchmarks/bench_paged.py --sections d256 --name bench_paged_d256
+    PYTHONPATH="$SITE":. python3 benchmarks/bench_paged.py --sections fp8 --name bench_paged_fp8
+    PYTHONPATH="$SITE":. python3 benchmarks/bench_paged.py --sections d256 --name bench_paged_d256
 
 Writes benchmarks/results/bench_paged.json and bench_paged.png (``--name`` to change the file names).
 """

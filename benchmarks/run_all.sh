@@ -2,7 +2,8 @@
 # Every GPU measurement of docs/performance.md in one go on a 2-GPU machine, one-GPU benchmarks on both GPUs
 # at once, the two-GPU ones after; each step under its own time limit, its output kept even if it fails.
 # Each script writes its JSON and PNG under benchmarks/results/ and its tables into docs/performance.md.
-#   usage: benchmarks/run_all.sh OUT_DIR [one|two|cp|all]   (from the checkout; FlashInfer wheels in .fi/ if present)
+#   usage: benchmarks/run_all.sh OUT_DIR [one|two|cp|all]   (from the checkout; FlashInfer wheels in $FI_WHEELS,
+#   default .fi/, if present)
 # "one": the one-GPU benchmarks (~6 min), "two": context parallel and generation, the native model's and
 # transformers' generate() (~30 min with the compiles), "cp": the context-parallel part of "two" alone (~3 min),
 # "all" (default).
@@ -12,12 +13,15 @@ set -u
 out=${1:?usage: benchmarks/run_all.sh OUT_DIR [one|two|all]}
 part=${2:-all}
 cd "$(dirname "$0")/.."
-mkdir -p "$out/logs"
+mkdir -p "$out/logs" "$out/prompts"
+out=$(cd "$out" && pwd)
+wheels=${FI_WHEELS:-.fi}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if ls .fi/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/cpa_site .fi/*.whl && export CUDA_HOME=/usr/local/cuda
+if ls "$wheels"/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target "$out/site" "$wheels"/*.whl &&
+    export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} FLASHINFER_WORKSPACE_BASE=$out/site
 fi
-site=/tmp/cpa_site:.
+site=$out/site:.
 tr="python3 -m torch.distributed.run --standalone"
 t0=$(date +%s)
 step() {  # step NAME LIMIT_S CMD...: run CMD with a time limit, log to logs/NAME.txt
@@ -52,27 +56,27 @@ step bench_cp_fp8 60 $tr --nproc-per-node=2 benchmarks/bench_cp.py --batches 1 1
   --exchanges symm --name bench_cp_fp8
 fi
 if [ "$part" = two ] || [ "$part" = all ]; then
-python3 -c "import json, random; random.seed(0); json.dump([[1]], open('/tmp/cpa_p1.json', 'w')); \
-json.dump([[random.randrange(128000) for _ in range(131072)]], open('/tmp/cpa_p128k.json', 'w'))"
+python3 -c "import json, random; random.seed(0); json.dump([[1]], open('$out/prompts/p1.json', 'w')); \
+json.dump([[random.randrange(128000) for _ in range(131072)]], open('$out/prompts/p128k.json', 'w'))"
 gen="launch/generate.py --random-config llama3-8b --prompts"
-step generate_w1 150 env CUDA_VISIBLE_DEVICES=0 $tr --nproc-per-node=1 $gen /tmp/cpa_p1.json --new-tokens 16 \
+step generate_w1 150 env CUDA_VISIBLE_DEVICES=0 $tr --nproc-per-node=1 $gen $out/prompts/p1.json --new-tokens 16 \
   --fill-context 32768 131072 524288 --profile-steps 4 --output benchmarks/results/generate_w1.json
-step generate_w2 150 $tr --nproc-per-node=2 $gen /tmp/cpa_p1.json --new-tokens 16 \
+step generate_w2 150 $tr --nproc-per-node=2 $gen $out/prompts/p1.json --new-tokens 16 \
   --fill-context 32768 131072 524288 1048576 --profile-steps 4 --output benchmarks/results/generate_w2.json
-step prefill_w1 90 env CUDA_VISIBLE_DEVICES=0 $tr --nproc-per-node=1 $gen /tmp/cpa_p128k.json --new-tokens 2 \
+step prefill_w1 90 env CUDA_VISIBLE_DEVICES=0 $tr --nproc-per-node=1 $gen $out/prompts/p128k.json --new-tokens 2 \
   --output benchmarks/results/generate_prefill_w1.json
-step prefill_w2 90 $tr --nproc-per-node=2 $gen /tmp/cpa_p128k.json --new-tokens 2 --output benchmarks/results/generate_prefill_w2.json
+step prefill_w2 90 $tr --nproc-per-node=2 $gen $out/prompts/p128k.json --new-tokens 2 --output benchmarks/results/generate_prefill_w2.json
 # the same through transformers' generate() (the unmodified model, CPCache, compiled); a 32k prompt's prefill
 python3 -c "import json, random; random.seed(1); \
-json.dump([[random.randrange(128000) for _ in range(32768)]], open('/tmp/cpa_p32k.json', 'w'))"
-hf="$gen /tmp/cpa_p1.json --backend transformers --compile --new-tokens 24"
+json.dump([[random.randrange(128000) for _ in range(32768)]], open('$out/prompts/p32k.json', 'w'))"
+hf="$gen $out/prompts/p1.json --backend transformers --compile --new-tokens 24"
 step generate_hf_w1 420 env CUDA_VISIBLE_DEVICES=0 $tr --nproc-per-node=1 $hf --fill-context 131072 524288 \
   --output benchmarks/results/generate_hf_w1.json
 step generate_hf_w2 540 $tr --nproc-per-node=2 $hf --fill-context 131072 524288 1048576 \
   --output benchmarks/results/generate_hf_w2.json
 step prefill_hf_w1 120 env CUDA_VISIBLE_DEVICES=0 $tr --nproc-per-node=1 launch/generate.py --random-config llama3-8b \
-  --prompts /tmp/cpa_p32k.json --backend transformers --new-tokens 2 --output benchmarks/results/generate_hf_prefill_w1.json
-step prefill_hf_w2 120 $tr --nproc-per-node=2 launch/generate.py --random-config llama3-8b --prompts /tmp/cpa_p32k.json \
+  --prompts $out/prompts/p32k.json --backend transformers --new-tokens 2 --output benchmarks/results/generate_hf_prefill_w1.json
+step prefill_hf_w2 120 $tr --nproc-per-node=2 launch/generate.py --random-config llama3-8b --prompts $out/prompts/p32k.json \
   --backend transformers --new-tokens 2 --output benchmarks/results/generate_hf_prefill_w2.json
 python3 benchmarks/plot_generate.py
 fi

@@ -461,8 +461,8 @@ TABLES = [
     Table("generate", ("generate_w1", "generate_w2", "generate_prefill_w1", "generate_prefill_w2", "generate_hf_w1",
                        "generate_hf_w2", "generate_hf_prefill_w1", "generate_hf_prefill_w2"), generate_table,
           "`benchmarks/run_all.sh OUT_DIR two` (launch/generate.py --random-config llama3-8b --fill-context on 1 "
-          "and 2 GPUs, the native and the transformers backend, then `python3 benchmarks/plot_generate.py` and "
-          "`python3 -m benchmarks.tables`)"),
+          "and 2 GPUs, its native backend and `--backend transformers`, whose rows this table shows once their "
+          "`generate_hf_*.json` exist; then `python3 benchmarks/plot_generate.py` and `python3 -m benchmarks.tables`)"),
 ]
 
 

@@ -586,6 +586,20 @@ def run_transformers(args, model, prompts, device, fill_context=None) -> dict:
 # ------------------------------------------------------------------------------------------------------
 
 
+def environment() -> dict:
+    """Where the run happened, recorded in the output JSON (as the benchmarks record it)."""
+    import datetime
+    import platform
+
+    import triton
+
+    env = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "python": platform.python_version(),
+           "torch": torch.__version__, "triton": triton.__version__}
+    if torch.cuda.is_available():
+        env.update(gpu=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count())
+    return env
+
+
 def main(argv=None):
     args = parse_args(argv)
     try:  # every rank checks the same inputs: a bad one stops them all before any collective
@@ -626,7 +640,7 @@ def main(argv=None):
                 if device.type == "cuda":
                     torch.cuda.empty_cache()  # the last run's caches and graph
         if dist.get_rank() == 0:
-            result = results[0] if len(results) == 1 else {"runs": results}
+            result = {"environment": environment(), **(results[0] if len(results) == 1 else {"runs": results})}
             text = json.dumps(result, indent=1)
             if args.output is None:
                 print(text)

@@ -162,6 +162,7 @@ def test_tokens_match_transformers(checkpoints, runs, kind, world, interpret):
     assert out["tokens"] == ref_tokens
     assert out["world_size"] == world and out["prompt_lens"] == [len(p) for p in PROMPTS]
     assert len(out["decode_step_s"]) == NEW_TOKENS - 1 and out["decode_tokens_per_s"] > 0
+    assert out["environment"]["torch"] == torch.__version__  # where it ran, for the docs' tables
     # The context-parallel prefill's logits at every prompt's last position are transformers' to rounding: the
     # fused q/k/v and gate/up GEMMs and the kernels' float32 sums round in another order (logits up to ~20
     # here; 1.2e-4 apart on one CPU, within 1e-4 on another).
