@@ -76,7 +76,7 @@ class CascadeLevel(NamedTuple):
     layout). ``seq_lens``: ``[S]`` int32/int64, valid length of each segment (``None``: all ``T``;
     required with ``block_table``). ``segment_ids``: ``[B]`` int32/int64, the segment each request reads;
     ``None`` when ``S == 1`` (every request reads it) or ``S == B`` (request ``b`` reads segment ``b``).
-    ``block_table``: ``[S, max_pages]`` int32: position ``p`` of segment ``s`` lives in page
+    ``block_table``: ``[S, max_pages]`` int32/int64: position ``p`` of segment ``s`` lives in page
     ``block_table[s, p // page_size]``, slot ``p % page_size``.
     """
 

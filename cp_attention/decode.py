@@ -180,7 +180,7 @@ def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num
         seq_lens: ``[B]`` int32/int64 on q's device, any stride, ``0 <= len <= T_max`` (``max_pages *
             page_size`` for a page pool, where it is required; ``None``: all ``T_max``). Values are checked
             on the host for CPU tensors; on the GPU they are clamped.
-        block_table: ``[B, max_pages]`` int32 (any strides): token ``p`` of request ``b`` lives in page
+        block_table: ``[B, max_pages]`` int32 or int64 (any strides): token ``p`` of request ``b`` lives in page
             ``block_table[b, p // page_size]``, slot ``p % page_size``. The pages that ``seq_lens`` reach
             are checked to lie in the pool for CPU tensors; on the GPU they are clamped into it.
         sm_scale: score scale (default ``1 / sqrt(D)``).

@@ -202,8 +202,7 @@ class DecodePlan(NamedTuple):
 
 # A split's block-table entries held in registers at most (Note [Paged tiles from registers]). A tile's
 # pages are gathered through shared memory, whose cost does not grow with the entries; 2048 entries take
-# 198 registers (bf16) or 247 (FP8) on sm_90 without spills, and run within 2% of the dense cache
-# (docs/tuning.md).
+# 198 registers (bf16) or 247 (FP8) on sm_90 without spills (docs/tuning.md).
 MAX_SPLIT_PAGES = 2048
 # Where the dense plan's splits hold more entries, splits capped at MAX_SPLIT_PAGES entries are planned when
 # they still hold at least this many tiles (pages of 16 or more with 128-key tiles).
