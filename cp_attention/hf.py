@@ -59,6 +59,8 @@ compiled generation (``generate()`` compiles the forward itself for a compileabl
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 import torch.distributed as dist
 from transformers import AttentionInterface, Cache
@@ -66,7 +68,7 @@ from transformers.cache_utils import CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface
 
 from ._constants import FLOAT_DTYPES, FP8_DTYPES
-from ._validate import MAX_Q_ROWS
+from ._validate import MAX_Q_ROWS, check_device
 from .decode import flash_decode
 from .distributed import merge_across_ranks
 from .quant import amax_scale, quantize
@@ -76,9 +78,15 @@ __all__ = ["IMPLEMENTATION", "CPCache", "cp_attention_forward", "cp_attention_ma
 
 IMPLEMENTATION = "cp_attention"
 LAYER_TYPES = ("full_attention", "sliding_attention")
-# Model types whose attention is not softmax(q.k) over positions: ALiBi biases, cross-attention, ...
-_UNSUPPORTED_MODEL_TYPES = {"bloom": "ALiBi position biases", "mpt": "ALiBi position biases",
-                            "baichuan": "ALiBi position biases", "jais": "ALiBi position biases"}
+# Model types whose attention is not one causal softmax(q.k) per layer over the cached K/V as the cache holds them
+_UNSUPPORTED_MODEL_TYPES = {
+    "bloom": "ALiBi position biases", "mpt": "ALiBi position biases", "baichuan": "ALiBi position biases",
+    "jais": "ALiBi position biases",
+    "diffllama": "differential attention: two softmaxes a layer, over halves of the values",
+    "jetmoe": "a mixture of attention heads that tiles the KV heads after the cache update",
+    "doge": "dynamic-mask attention: a learned, input-dependent score bias",
+    "moshi": "its sliding window is applied by the cache at decode only, not at the prefill",
+}
 PREFILL_BUDGET_BYTES = 256 << 20  # scores (or gathered states) of one query chunk of the prefill attention
 
 
@@ -97,10 +105,11 @@ def _counts(x, rank: int, world: int):
 
 
 class _Slot:
-    """Where a cache layer's ``update`` leaves itself for the attention function (Note [Context-parallel
-    attention inside transformers], "Finding the cache")."""
+    """Where a cache layer's ``update`` leaves itself and the K/V it returned for the attention function (Note
+    [Context-parallel attention inside transformers], "Finding the cache")."""
 
     layer = None
+    kv = None
 
 
 _ACTIVE = _Slot()
@@ -116,6 +125,9 @@ def _check_config(config) -> tuple:
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError("CPCache: encoder-decoder models (cross-attention) are not supported")
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "is_heterogeneous", False):
+        raise ValueError("CPCache: heterogeneous configs (attention attributes that differ between layers) are not "
+                         "supported")
     model_type = getattr(text, "model_type", "")
     if model_type in _UNSUPPORTED_MODEL_TYPES:
         raise ValueError(f"CPCache: model_type {model_type!r} is not supported ({_UNSUPPORTED_MODEL_TYPES[model_type]})")
@@ -132,10 +144,15 @@ def _check_config(config) -> tuple:
         raise ValueError("CPCache: bidirectional attention (is_causal=False) is not supported")
     if getattr(text, "cross_attention_layers", None):
         raise ValueError("CPCache: cross-attention layers are not supported")
+    if getattr(text, "H_cycles", None) or getattr(text, "num_layers_per_stack", None):
+        raise ValueError("CPCache: attention layers reused across cycles (H_cycles / num_layers_per_stack: one module "
+                         "for several cache layers) are not supported")
     n_layers = getattr(text, "num_hidden_layers", None)
     hq = getattr(text, "num_attention_heads", None)
     if not isinstance(n_layers, int) or n_layers < 1 or not isinstance(hq, int) or hq < 1:
-        raise ValueError("CPCache: the config must give num_hidden_layers and num_attention_heads (a decoder model)")
+        raise ValueError("CPCache: the config gives no attention layers (num_hidden_layers and num_attention_heads): "
+                         "a model without softmax attention (e.g. a state-space or recurrent model) has no KV cache "
+                         "to shard")
     hkv = getattr(text, "num_key_value_heads", None) or hq
     if hq % hkv:
         raise ValueError(f"CPCache: num_attention_heads ({hq}) must be a multiple of num_key_value_heads ({hkv})")
@@ -375,6 +392,11 @@ class CPCacheLayer(CacheLayerMixin):
         sh = self.shared
         s = key_states.shape[2]
         if not _compiling():
+            stale = _ACTIVE.layer
+            if stale is not None and stale.shared is sh and self.layer_idx > 0:
+                raise ValueError(f"cp_attention: cache layer {stale.layer_idx} was updated but its attention did not "
+                                 f"run through attn_implementation='cp_attention' (a model whose attention does not "
+                                 f"use transformers' AttentionInterface cannot attend a sharded cache)")
             if s != sh.step or key_states.shape[0] != sh.batch:
                 raise RuntimeError(f"CPCache: layer {self.layer_idx} updated with {tuple(key_states.shape)} in a "
                                    f"forward of {sh.step} tokens for {sh.batch} rows (layer 0 starts each forward)")
@@ -401,7 +423,7 @@ class CPCacheLayer(CacheLayerMixin):
                     self._v[:, :, n0:n1].copy_(v_mine)
                 else:
                     self._store_pages(torch.arange(n0, n1, device=self.device), k_mine, v_mine, scratch=False)
-        _ACTIVE.layer = self
+        _ACTIVE.layer, _ACTIVE.kv = self, (key_states, value_states)
         return key_states, value_states
 
     def _store_pages(self, slot, k_new, v_new, scratch: bool) -> None:
@@ -541,17 +563,16 @@ class CPCache(Cache):
     def __init__(self, config, *, group=None, max_cache_len=None, page_size=None, dtype=None, device=None):
         _, _, windows = _check_config(config)
         for name, value in (("max_cache_len", max_cache_len), ("page_size", page_size)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
                 raise ValueError(f"CPCache: {name} must be a positive int or None, got {value!r}")
+        max_cache_len, page_size = (None if x is None else int(x) for x in (max_cache_len, page_size))
         if dtype is not None and dtype not in FLOAT_DTYPES + FP8_DTYPES:
             raise TypeError(f"CPCache: dtype must be one of {FLOAT_DTYPES + FP8_DTYPES} or None, got {dtype!r}")
         if group is not None or (dist.is_available() and dist.is_initialized()):
             rank, world = dist.get_rank(group), dist.get_world_size(group)
         else:
             rank, world = 0, 1
-        device = None if device is None else torch.device(device)
-        if device is not None and device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = None if device is None else check_device("CPCache: device", device)
         self._shared = _Shared(rank, world, group if world > 1 else None, max_cache_len, page_size, dtype, device)
         super().__init__(layers=[CPCacheLayer(self._shared, i, w) for i, w in enumerate(windows)])
 
@@ -636,6 +657,15 @@ def cp_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, 
     >>> cp_attention_mask(2, 3, 3, attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]).bool()).flatten()
     tensor([1, 0], dtype=torch.int32)
     """
+    if q_length > 1 and not _compiling() and _sees_later(mask_function, batch_size, q_length, kv_length, q_offset,
+                                                          kv_offset):
+        # marked, not refused: transformers also asks for masks that no layer uses (a decoder's cross-attention
+        # mask without encoder states); the attention function refuses a marked mask
+        first = (torch.zeros(batch_size, dtype=torch.int32) if attention_mask is None else
+                 attention_mask.shape[1] - attention_mask.bool().sum(dim=1, dtype=torch.int32))
+        first = first.view(-1, 1, 1, 1)
+        first.cp_sees_later = True
+        return first
     if attention_mask is None:
         return None
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
@@ -653,6 +683,24 @@ def cp_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, 
             return None
     first = mask.shape[1] - mask.sum(dim=1, dtype=torch.int32)
     return first.view(-1, 1, 1, 1)
+
+
+def _sees_later(mask_function, batch_size, q_length, kv_length, q_offset, kv_offset) -> bool:
+    """Whether transformers' ``mask_function(batch, head, q_idx, kv_idx)`` lets a query see a later position, on
+    up to 65 evenly spaced query rows of every sequence (index tensors broadcast, as transformers evaluates its
+    mask functions); False where it cannot be evaluated so."""
+    if mask_function is None or not isinstance(q_offset, int) or not isinstance(kv_offset, int):
+        return False
+    steps = max(2, min(65, q_length, (1 << 24) // max(1, batch_size * kv_length)))
+    q_idx = q_offset + torch.linspace(0, q_length - 1, steps).round().long().unique()
+    kv_idx = kv_offset + torch.arange(kv_length)
+    try:
+        seen = mask_function(torch.arange(batch_size)[:, None, None, None], torch.zeros((1, 1, 1, 1), dtype=torch.long),
+                             q_idx[None, None, :, None], kv_idx[None, None, None, :])
+    except Exception:  # a mask function written for scalar indices only (vmap): not checked
+        return False
+    later = kv_idx[None, None, None, :] > q_idx[None, None, :, None]
+    return isinstance(seen, torch.Tensor) and bool((seen.to(torch.bool) & later).any())
 
 
 def _first_positions(attention_mask):
@@ -714,17 +762,27 @@ def cp_attention_forward(module, query, key, value, attention_mask, scaling=None
 
     transformers calls it for a model loaded with ``attn_implementation="cp_attention"`` (:class:`CPCache`).
     """
-    layer = _ACTIVE.layer
-    _ACTIVE.layer = None
+    layer, kv = _ACTIVE.layer, _ACTIVE.kv
+    _ACTIVE.layer = _ACTIVE.kv = None
     s, d = query.shape[2], query.shape[3]
     if layer is not None and getattr(module, "layer_idx", layer.layer_idx) != layer.layer_idx:
-        raise RuntimeError(f"cp_attention: layer {module.layer_idx} attends after the update of cache layer "
-                           f"{layer.layer_idx} (one forward at a time per process)")
+        raise RuntimeError(f"cp_attention: attention module {module.layer_idx} attends after the update of cache "
+                           f"layer {layer.layer_idx}: the model does not pair each attention layer with its own "
+                           f"cache layer (or two forwards ran at once in this process)")
     if not _compiling():
         if dropout:
             raise ValueError(f"cp_attention is an inference attention: dropout must be 0, got {dropout}")
-        if kwargs.get("is_causal") is False:
-            raise ValueError("cp_attention is causal: is_causal=False is not supported")
+        if kwargs.get("is_causal") is False or getattr(attention_mask, "cp_sees_later", False):
+            raise ValueError(f"cp_attention is causal: {type(module).__name__} attends with a mask that lets a "
+                             f"position see later ones (bidirectional attention, e.g. a BERT-style model without "
+                             f"config.is_decoder=True, or bidirectional image tokens), which is not supported")
+        if layer is not None and (key is not kv[0] or value is not kv[1]):
+            raise ValueError(f"cp_attention: {type(module).__name__} changes the keys or values between the cache "
+                             f"update and the attention (e.g. tiles or splits them); the sharded cache holds them as "
+                             f"updated, so this attention cannot run on it")
+        if layer is not None and sliding_window is not None and sliding_window != layer.sliding_window:
+            raise ValueError(f"cp_attention: layer {layer.layer_idx} attends with sliding_window={sliding_window}, "
+                             f"its config gives {layer.sliding_window}")
         if value.shape[-1] != d or key.shape[-1] != d:
             raise ValueError(f"cp_attention: queries, keys and values need one head dim, got {d}, {key.shape[-1]}, "
                              f"{value.shape[-1]}")
@@ -741,6 +799,8 @@ def cp_attention_forward(module, query, key, value, attention_mask, scaling=None
         view = layer
     else:
         shard = view = _Given(key, value, s)
+    if sliding_window is None and layer is not None:  # models that window only through their mask
+        sliding_window = layer.sliding_window
     window_left = None if sliding_window is None else int(sliding_window) - 1
     scale = float(scaling) if scaling is not None else d ** -0.5
     cap = None if softcap is None else float(softcap)
@@ -766,7 +826,8 @@ def _decode(query, view, shard, first, window_left, scale, softcap, sinks):
     if shard.world == 1:
         o = flash_decode(q, k, v, seq_lens, sinks=sinks, **kwargs)
     else:
-        st = merge_across_ranks(flash_decode(q, k, v, seq_lens, return_lse=True, **kwargs), shard.group)
+        st = merge_across_ranks(flash_decode(q, k, v, seq_lens, return_lse=True, **kwargs), shard.group,
+                                check_metadata=False)  # every rank's layer holds the same shapes (the cache's)
         o = st.o if sinks is None else merge_states(st.o[None], st.lse[None], sinks=sinks).o
     if o.dtype != query.dtype:
         o = o.to(query.dtype)
@@ -804,7 +865,8 @@ def _prefill(query, view, shard, first, window_left, scale, softcap, sinks):
         else:
             st = _masked_chunk(query[:, :, i0:i1], k, v, start + i0, first, window_left, r, w, scale, softcap)
         if w > 1:
-            st = merge_across_ranks(AttentionState(st.o.contiguous(), st.lse.contiguous()), shard.group)
+            st = merge_across_ranks(AttentionState(st.o.contiguous(), st.lse.contiguous()), shard.group,
+                                    check_metadata=False)
         o = st.o
         if sinks is not None:
             o = merge_states(st.o[None].float(), st.lse[None], sinks=sinks).o

@@ -203,6 +203,14 @@ def _bad(kind):
         return transformers.Llama4TextConfig(**llama, attention_chunk_size=16)
     if kind == "layer-types":
         return transformers.Qwen3Config(**llama, head_dim=32, layer_types=["full_attention", "linear_attention"])
+    if kind == "no-attention":
+        return transformers.MambaConfig(hidden_size=64, num_hidden_layers=2)
+    if kind in ("diffllama", "jetmoe", "doge", "moshi", "hrm"):
+        name = {"diffllama": "DiffLlamaConfig", "jetmoe": "JetMoeConfig", "doge": "DogeConfig",
+                "moshi": "MoshiConfig", "hrm": "HrmTextConfig"}[kind]
+        if not hasattr(transformers, name):
+            pytest.skip(f"transformers {transformers.__version__} has no {name}")
+        return getattr(transformers, name)()
     raise AssertionError(kind)
 
 
@@ -214,6 +222,12 @@ def _bad(kind):
     ("mla", "multi-head latent attention"),
     ("chunked", "chunked attention"),
     ("layer-types", r"layer types \['linear_attention'\] are not supported"),
+    ("no-attention", "no attention layers"),
+    ("diffllama", "differential attention"),
+    ("jetmoe", "tiles the KV heads"),
+    ("doge", "dynamic-mask attention"),
+    ("moshi", "sliding window is applied by the cache at decode only"),
+    ("hrm", "reused across cycles"),
 ])
 def test_bad_configs_rejected(kind, message):
     with pytest.raises(ValueError, match=message):
@@ -224,10 +238,60 @@ def test_bad_configs_rejected(kind, message):
     ({"max_cache_len": 0}, ValueError, "max_cache_len must be a positive int"),
     ({"page_size": 2.0}, ValueError, "page_size must be a positive int"),
     ({"dtype": torch.int8}, TypeError, "dtype must be one of"),
+    ({"device": "meta"}, ValueError, "device must be the CPU or a CUDA device"),
 ])
 def test_bad_cache_arguments_rejected(kwargs, error, message):
     with pytest.raises(error, match=message):
         cph.CPCache(tiny_model("llama").config, **kwargs)
+
+
+def _generate_with(model, ids, mask):
+    extra = {cache_kwarg(model): cph.CPCache(model.config)}
+    return model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, **extra)
+
+
+def test_bidirectional_attention_is_refused():
+    """A BERT-style decoder without config.is_decoder attends both ways (its mask lets a position see later
+    ones): refused at the prefill, where a causal answer would silently differ."""
+    config = transformers.BertConfig(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=128, is_decoder=False)
+    torch.manual_seed(0)
+    model = transformers.BertLMHeadModel(config).eval()
+    model.set_attn_implementation(cph.IMPLEMENTATION)
+    ids, mask = prompts(padded=False)
+    with pytest.raises(ValueError, match="lets a position see later ones"):
+        _generate_with(model, ids, mask)
+
+
+def test_attention_outside_the_interface_is_refused():
+    """GPT-Neo's attention does not go through transformers' AttentionInterface: its layers update the cache
+    but never call cp_attention, which the next layer's update notices."""
+    config = transformers.GPTNeoConfig(vocab_size=97, hidden_size=64, num_layers=2, num_heads=2,
+                                       attention_types=[[["global"], 2]], max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.GPTNeoForCausalLM(config).eval()
+    model.set_attn_implementation(cph.IMPLEMENTATION)
+    ids, mask = prompts(padded=False)
+    with pytest.raises(ValueError, match="its attention did not run through attn_implementation='cp_attention'"):
+        _generate_with(model, ids, mask)
+
+
+def test_a_window_given_only_by_the_config_is_applied():
+    """Qwen2-MoE windows its sliding layers through the mask only (no sliding_window argument): the window
+    comes from the config, as transformers' own mask applies it."""
+    config = transformers.Qwen2MoeConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                                         use_sliding_window=True, sliding_window=5, max_window_layers=2,
+                                         initializer_range=0.5, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    ids, mask = prompts()
+    ref, ref_logits = generate(model, ids, mask)
+    model.set_attn_implementation(cph.IMPLEMENTATION)
+    tokens, logits = generate(model, ids, mask, cph.CPCache(model.config))
+    assert torch.equal(tokens, ref)
+    torch.testing.assert_close(logits, ref_logits, **LOGIT_TOL)
 
 
 # ------------------------------------------------------------------------------------------------------
