@@ -327,18 +327,18 @@ def cascade_decode(q, levels, sm_scale, k_scale, v_scale, logit_softcap, sinks, 
 
 
 @torch.library.custom_op("cp_attention::all_gather_states", mutates_args=())
-def all_gather_states_op(o: Tensor, lse: Tensor, group_name: Optional[str]) -> tuple[Tensor, Tensor]:
+def all_gather_states_op(o: Tensor, lse: Tensor, group_name: Optional[str], check_metadata: bool) -> tuple[Tensor, Tensor]:
     """:func:`cp_attention.distributed.all_gather_states` (o and lse own their memory: no views of one
     buffer)."""
     from .distributed.decode import all_gather_states
     from .state import AttentionState
 
-    st = all_gather_states(AttentionState(o, lse), _group(group_name))
+    st = all_gather_states(AttentionState(o, lse), _group(group_name), check_metadata=check_metadata)
     return _fresh(st.o), _fresh(st.lse)
 
 
 @all_gather_states_op.register_fake
-def _(o, lse, group_name):
+def _(o, lse, group_name, check_metadata):
     import torch.distributed as dist
 
     world = dist.get_world_size(_group(group_name))
@@ -346,31 +346,31 @@ def _(o, lse, group_name):
 
 
 @torch.library.custom_op("cp_attention::merge_across_ranks", mutates_args=())
-def merge_across_ranks_op(o: Tensor, lse: Tensor, group_name: Optional[str]) -> tuple[Tensor, Tensor]:
+def merge_across_ranks_op(o: Tensor, lse: Tensor, group_name: Optional[str], check_metadata: bool) -> tuple[Tensor, Tensor]:
     """:func:`cp_attention.distributed.merge_across_ranks`."""
     from .distributed.decode import merge_across_ranks
     from .state import AttentionState
 
-    st = merge_across_ranks(AttentionState(o, lse), _group(group_name))
+    st = merge_across_ranks(AttentionState(o, lse), _group(group_name), check_metadata=check_metadata)
     return _fresh(st.o), _fresh(st.lse)
 
 
 @merge_across_ranks_op.register_fake
-def _(o, lse, group_name):
+def _(o, lse, group_name, check_metadata):
     return torch.empty_like(o, memory_format=torch.contiguous_format), torch.empty_like(lse)
 
 
-def all_gather_states(state, group):
+def all_gather_states(state, group, check_metadata):
     """``all_gather_states`` while Dynamo traces it (``state`` checked by the caller)."""
     from .state import AttentionState
 
-    return AttentionState(*all_gather_states_op(state[0], state[1], _group_name(group)))
+    return AttentionState(*all_gather_states_op(state[0], state[1], _group_name(group), check_metadata))
 
 
-def merge_across_ranks(state, group):
+def merge_across_ranks(state, group, check_metadata):
     from .state import AttentionState
 
-    return AttentionState(*merge_across_ranks_op(state[0], state[1], _group_name(group)))
+    return AttentionState(*merge_across_ranks_op(state[0], state[1], _group_name(group), check_metadata))
 
 
 # -------------------------------------------------------------------------------------------------------

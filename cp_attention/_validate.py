@@ -40,6 +40,35 @@ def check_unit_stride(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must have a contiguous last dim (stride 1), got strides {t.stride()}")
 
 
+def check_device(name: str, device) -> torch.device:
+    """Where a cache is built: ``None`` (the CPU), the CPU or an available CUDA device (a bare ``"cuda"`` as the
+    current one, where torch puts the tensors it makes)."""
+    if device is None:
+        return torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise TypeError(f"{name} must be a torch.device, its name or a CUDA index, got {device!r}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count():
+            raise ValueError(f"{name} {dev} is not an available CUDA device")
+        return dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())
+    if dev.type != "cpu":
+        raise ValueError(f"{name} must be the CPU or a CUDA device, got {dev}")
+    return dev
+
+
+def check_no_overlap(name: str, t: torch.Tensor) -> None:
+    """An output whose elements are distinct memory (no broadcast, no self-overlapping strides): each dim, by
+    increasing stride, steps over everything the smaller ones span."""
+    span = 0
+    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s > 1):
+        if stride <= span:
+            raise ValueError(f"{name} must not overlap itself (an expanded or broadcast view), got shape "
+                             f"{tuple(t.shape)} and strides {t.stride()}")
+        span += (size - 1) * stride
+
+
 def check_head_dim(d: int, name: str = "q") -> None:
     if d % 8 != 0 or not 32 <= d <= 256:
         raise ValueError(f"{name} head dim must be a multiple of 8 in [32, 256], got {d}")
@@ -59,10 +88,21 @@ def check_index_tensor(name: str, t, length: int, device, *, lo: int, hi: int, h
             raise ValueError(f"{name} must lie in [{lo}, {hi}] ({hi_name}), got values in [{vmin}, {vmax}]")
 
 
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def finite_float32(x) -> bool:
+    """A real number that float32 holds as a finite value."""
+    try:
+        return math.isfinite(float(x)) and abs(float(x)) <= FLOAT32_MAX
+    except OverflowError:  # an int beyond any float
+        return False
+
+
 def check_sm_scale(sm_scale) -> None:
     if sm_scale is not None and (not isinstance(sm_scale, numbers.Real) or isinstance(sm_scale, bool)
-                                 or not math.isfinite(sm_scale)):
-        raise TypeError(f"sm_scale must be a finite real number or None, got {sm_scale!r}")
+                                 or not finite_float32(sm_scale)):
+        raise TypeError(f"sm_scale must be a real number finite in float32 or None, got {sm_scale!r}")
 
 
 def check_bool(name: str, value) -> None:
@@ -70,13 +110,16 @@ def check_bool(name: str, value) -> None:
         raise TypeError(f"{name} must be a bool, got {value!r}")
 
 
+INT32_MAX = 2**31 - 1
+
+
 def check_int(name: str, value, lo: int, hi: int | None = None) -> int:
     """A Python int (not a bool) in ``[lo, hi]``."""
     if not isinstance(value, numbers.Integral) or isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < lo or (hi is not None and value > hi):
-        expected = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ValueError(f"{name} must be {expected}, got {value}")
+    hi = INT32_MAX if hi is None else hi  # what a kernel's int32 argument holds
+    if value < lo or value > hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
     return int(value)
 
 
@@ -325,10 +368,12 @@ def check_decode_args(q, k, v, seq_lens, *, block_table=None, num_splits=None, k
         if o_out.shape != q.shape:
             raise ValueError(f"out must have q's shape {tuple(q.shape)}, got {tuple(o_out.shape)}")
         check_unit_stride("out", o_out)
+        check_no_overlap("out", o_out)
         if lse_out is not None:
             check_tensor("out.lse", lse_out, dtypes=(torch.float32,), device=q.device)
             if lse_out.shape != q.shape[:-1]:
                 raise ValueError(f"out.lse must have shape {tuple(q.shape[:-1])}, got {tuple(lse_out.shape)}")
+            check_no_overlap("out.lse", lse_out)
     check_sm_scale(sm_scale)
     check_split_size(split_size, num_splits=num_splits, plan=plan, window_left=window_left)
     check_bool("return_lse", return_lse)

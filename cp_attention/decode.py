@@ -342,6 +342,12 @@ def _checked_call(q, k, v, seq_lens, block_table, sm_scale, num_splits, kv_layou
                                 plan=plan, out=out, row_limits=row_limits, k_scale=k_scale, v_scale=v_scale,
                                 window_left=window_left, logit_softcap=logit_softcap, sinks=sinks, sm_scale=sm_scale,
                                 split_size=split_size, return_lse=return_lse)
+    if block_table is not None and block_table.shape[1] == 0:  # pools read through no pages: an empty dense cache
+        hkv = k.shape[2] if kv_layout == "NHD" else k.shape[1]
+        empty = k.new_empty((q.shape[0], hkv, 0, q.shape[-1]))
+        return _checked_call(q, empty, empty, seq_lens, None, sm_scale, num_splits, "HND", split_size, k_scale,
+                             v_scale, window_left, logit_softcap, sinks, return_lse, out, plan, row_limits, span,
+                             export, None, None, None, pdl)
     return decode_checked(q, k, v, seq_lens, geo, block_table=block_table, sm_scale=sm_scale, num_splits=num_splits,
                           kv_layout=kv_layout, split_size=split_size, k_scale=k_scale, v_scale=v_scale,
                           window_left=window_left, logit_softcap=logit_softcap, sinks=sinks, return_lse=return_lse,
@@ -359,6 +365,8 @@ def decode_checked(q, k, v, seq_lens, geo: CacheGeometry, *, block_table=None, s
     combine (context parallelism, Note [Deterministic splits]). ``pdl=False``: launched without programmatic
     dependent launch (the per-request levels of a cascade, Note [Cascade attention])."""
     o_out, lse_out = (None, None) if out is None else unpack_out(out)
+    # the checked ints as Python ints (a NumPy integer passes the checks; kernels take Python scalars)
+    window_left, split_size = (None if x is None else int(x) for x in (window_left, split_size))
     if not use_triton(q):
         k, v = dequantize(k, v, k_scale, v_scale, kv_layout)
         if block_table is not None:

@@ -52,14 +52,16 @@ def dequantize(k: torch.Tensor, v: torch.Tensor, k_scale, v_scale, kv_layout: st
 
 def amax_scale(x: torch.Tensor, dtype: torch.dtype, head_dim: int | None) -> torch.Tensor:
     """The amax scale of ``x`` in FP8 ``dtype`` (Note [FP8 KV caches]): ``amax(|x|) / fp8_max`` over the finite
-    values, per tensor (0-d; ``head_dim`` None) or per index of dim ``head_dim``; 1 where the amax is 0."""
+    values, per tensor (0-d; ``head_dim`` None) or per index of dim ``head_dim``; 1 where the amax is 0, and at
+    least the smallest normal float32 (a positive scale however small the values)."""
     finite = torch.where(torch.isfinite(x), x.float().abs(), torch.zeros((), device=x.device))
     if head_dim is None:
         amax = finite.amax()
     else:
         dims = [d for d in range(x.dim()) if d != head_dim]
         amax = finite.amax(dim=dims)
-    return torch.where(amax > 0, amax / torch.finfo(dtype).max, torch.ones_like(amax)).float()
+    scale = (amax / torch.finfo(dtype).max).clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.where(amax > 0, scale, torch.ones_like(amax)).float()
 
 
 def quantize_kv(k, v, dtype=torch.float8_e4m3fn, *, per_head=False, kv_layout="HND"):

@@ -119,15 +119,15 @@ def test_append_kernel_with_drafts_and_rollback(monkeypatch, device):
 
 
 def test_append_rejects_a_strided_head_dim():
-    cache = CPKVCache(1, 1, 8, 10, dtype=torch.float32, rank=0, world_size=1)
-    tok = torch.randn(1, 1, 16)[..., ::2]
+    cache = CPKVCache(1, 1, 32, 10, dtype=torch.float32, rank=0, world_size=1)
+    tok = torch.randn(1, 1, 64)[..., ::2]
     with pytest.raises(ValueError, match="k_new must have a contiguous last dim"):
         cache.append(tok, tok)
 
 
 def test_rollback_beyond_a_sequence():
     """An int n beyond the shortest sequence raises; a tensor n drops min(max(n, 0), length) on the device."""
-    cache = CPKVCache(2, 1, 8, 10, dtype=torch.float32, rank=0, world_size=1)
+    cache = CPKVCache(2, 1, 32, 10, dtype=torch.float32, rank=0, world_size=1)
     cache.set_lengths(torch.tensor([3, 5]))
     with pytest.raises(ValueError, match=r"^n must be at most the shortest sequence's length 3"):
         cache.rollback(4)

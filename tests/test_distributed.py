@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from cp_attention import flash_decode, merge_states
-from cp_attention.distributed import CPKVCache, all_gather_states, cp_flash_decode, merge_across_ranks, shard_kv
+from cp_attention import AttentionState, flash_decode, merge_states
+from cp_attention.distributed import (CPKVCache, all_gather_states, cp_cascade_decode, cp_flash_decode,
+                                     merge_across_ranks, shard_kv)
 from cp_attention.reference import attention
 from cp_attention.state import AttentionState
 
@@ -448,6 +449,50 @@ def case_cache_mismatch(rank, world, *, what):
     return str(info.value)
 
 
+def case_one_rank_rejects(rank, world, *, what):
+    """Only rank 1 passes a bad argument, one its call rejects before any collective would have run: every rank
+    raises (the others naming rank 1), none waits for it, and the group still works afterwards."""
+    from cp_attention import CascadeLevel
+
+    odd = rank == 1
+    q, k = torch.randn(2, 8, 32), torch.randn(2, 2, 40, 32)
+    lens = torch.tensor([40, 7])
+    with pytest.raises((ValueError, TypeError)) as info:
+        if what == "window":
+            cp_flash_decode(q, k, k, lens, **({"window_left": 4} if odd else {}))
+        elif what == "q-4d":
+            cp_flash_decode(q[:, None] if odd else q, k, k, lens)
+        elif what == "check-metadata-type":
+            cp_flash_decode(q, k, k, lens, check_metadata="yes" if odd else True)
+        elif what == "cache-batch":
+            CPKVCache(0 if odd else 2, 2, 32, 64)
+        elif what == "cache-window":
+            CPKVCache.from_prefix(k, k, lens, 64).decode(q, window_left=-1 if odd else 8)
+        elif what == "cascade-rows":
+            level = CascadeLevel(k, k, lens)
+            cp_cascade_decode(q[:, None].expand(-1, 2, -1, -1) if odd else q, [level])
+        elif what == "merge-shape":  # the same element count, another shape
+            o = torch.randn(4, 2, 64) if odd else torch.randn(2, 4, 64)
+            merge_across_ranks(AttentionState(o, torch.zeros(o.shape[:-1])))
+    o = cp_flash_decode(torch.ones(2, 8, 32), torch.ones(2, 2, 8, 32), torch.ones(2, 2, 8, 32), torch.tensor([5, 3]))
+    torch.testing.assert_close(o, torch.ones_like(o))  # the group is still in step
+    return str(info.value)
+
+
+def case_equal_values_agree(rank, world):
+    """Equal values in different forms agree across ranks: a softcap 30 and 30.0, an FP8 scale tensor(0.5) and
+    0.5."""
+    from cp_attention import quantize_kv
+
+    q, k = torch.randn(2, 8, 32), torch.randn(2, 2, 40, 32)
+    lens = torch.tensor([40, 7])
+    a = cp_flash_decode(q, k, k, lens, logit_softcap=30 if rank else 30.0)
+    k8, v8, _, _ = quantize_kv(k, k)
+    scale = torch.tensor(0.5) if rank else 0.5
+    b = cp_flash_decode(q.bfloat16(), k8, v8, lens, k_scale=scale, v_scale=scale)
+    return a, b
+
+
 # ----------------------------------------------------------------------------------------------------
 # Tests
 
@@ -654,6 +699,21 @@ def test_mismatch_raises_on_every_rank(pool, world, what):
         assert len(set(messages)) == 1
 
 
+@pytest.mark.parametrize("what, name", [("window", "window_left"), ("q-4d", "q must have 3 dims"),
+                                        ("check-metadata-type", "check_metadata"), ("cache-batch", "batch"),
+                                        ("cache-window", "window_left"), ("cascade-rows", "one row per request"),
+                                        ("merge-shape", "state.o.shape")])
+def test_one_rank_rejecting_raises_on_every_rank(pool, what, name):
+    messages = pool(2).run(case_one_rank_rejects, what=what)
+    assert name in messages[1], messages
+    assert "rank(s) [1]" in messages[0] or name in messages[0], messages
+
+
+def test_equal_values_in_other_forms_agree(pool):
+    (a0, b0), (a1, b1) = pool(2).run(case_equal_values_agree)
+    assert torch.equal(a0, a1) and torch.equal(b0, b1)
+
+
 @pytest.mark.parametrize("what, name", [("world-size", "world_size"), ("rank", "rank"), ("window", "window_left"),
                                         ("rollback", "cache lengths")])
 def test_cache_mismatch_raises_on_every_rank(pool, what, name):
@@ -736,49 +796,49 @@ def test_shard_kv_rejects_bad_input(kwargs, exc, match):
 
 def test_cache_append_owner_and_scratch_slot():
     """Rank 1 of 3: tokens 1, 4, 7 land in slots 0, 1, 2; the others go to the scratch slot."""
-    cache = CPKVCache(2, 1, 8, 9, dtype=torch.float32, rank=1, world_size=3)
-    assert cache.capacity == 3 and cache.k.shape == (2, 1, 3, 8)
+    cache = CPKVCache(2, 1, 32, 9, dtype=torch.float32, rank=1, world_size=3)
+    assert cache.capacity == 3 and cache.k.shape == (2, 1, 3, 32)
     for t in range(9):
-        tok = torch.full((2, 1, 8), float(t))
+        tok = torch.full((2, 1, 32), float(t))
         cache.append(tok, -tok)
     assert cache.seq_lens.tolist() == [3, 3] and cache.global_seq_lens.tolist() == [9, 9]
     assert cache.k[:, 0, :, 0].tolist() == [[1.0, 4.0, 7.0]] * 2
     assert cache.v[:, 0, :, 0].tolist() == [[-1.0, -4.0, -7.0]] * 2
     assert cache.free_slots == 0
-    with pytest.raises(RuntimeError, match="full"):
+    with pytest.raises(ValueError, match="full"):
         cache.append(tok, tok)
 
 
 def test_cache_from_prefix_matches_shard_kv():
-    k, v = torch.randn(3, 2, 20, 8), torch.randn(3, 2, 20, 8)
+    k, v = torch.randn(3, 2, 20, 32), torch.randn(3, 2, 20, 32)
     seq_lens = torch.tensor([20, 4, 0])
     cache = CPKVCache.from_prefix(k, v, seq_lens, 30, rank=2, world_size=4)
     ks, vs, ls = shard_kv(k, v, seq_lens, 2, 4, "interleaved")
     assert torch.equal(cache.seq_lens, ls.int()) and torch.equal(cache.k[:, :, :5], ks)
     assert cache.free_slots == 10
-    tok = torch.ones(3, 2, 8)
+    tok = torch.ones(3, 2, 32)
     for _ in range(3):  # positions 20..22, 4..6 and 0..2: rank 2 owns 22, 6 and 2
         cache.append(tok, tok)
     assert cache.seq_lens.tolist() == [6, 2, 1]
 
 
 def _cache1():
-    return CPKVCache(1, 1, 8, 10, dtype=torch.float32, rank=0, world_size=1)
+    return CPKVCache(1, 1, 32, 10, dtype=torch.float32, rank=0, world_size=1)
 
 
 @pytest.mark.parametrize("call, exc, match", [
-    (lambda: CPKVCache(0, 1, 8, 10, rank=0, world_size=1), ValueError, "batch"),
-    (lambda: CPKVCache(1, 1, 8, 10, rank=3, world_size=2), ValueError, "rank"),
-    (lambda: CPKVCache(1, 1, 8, 10, dtype=torch.int32, rank=0, world_size=1), TypeError, "dtype"),
-    (lambda: _cache1().append(torch.ones(1, 2, 8), torch.ones(1, 2, 8)), ValueError, "k_new must have shape"),
-    (lambda: _cache1().append(torch.ones(1, 1, 8, dtype=torch.float64), torch.ones(1, 1, 8)), TypeError, "k_new"),
-    (lambda: _cache1().append(torch.ones(1, 1, 8), torch.ones(1, 1, 9)), ValueError, "v_new must have shape"),
+    (lambda: CPKVCache(0, 1, 32, 10, rank=0, world_size=1), ValueError, "batch"),
+    (lambda: CPKVCache(1, 1, 32, 10, rank=3, world_size=2), ValueError, "rank"),
+    (lambda: CPKVCache(1, 1, 32, 10, dtype=torch.int32, rank=0, world_size=1), TypeError, "dtype"),
+    (lambda: _cache1().append(torch.ones(1, 2, 32), torch.ones(1, 2, 32)), ValueError, "k_new must have shape"),
+    (lambda: _cache1().append(torch.ones(1, 1, 32, dtype=torch.float64), torch.ones(1, 1, 32)), TypeError, "k_new"),
+    (lambda: _cache1().append(torch.ones(1, 1, 32), torch.ones(1, 1, 33)), ValueError, "v_new must have shape"),
     (lambda: _cache1().set_lengths(torch.tensor([11])), ValueError, "seq_lens must lie in"),
-    (lambda: CPKVCache.from_prefix(torch.ones(1, 1, 10, 8), torch.ones(1, 1, 10, 8), None, 5, rank=0,
+    (lambda: CPKVCache.from_prefix(torch.ones(1, 1, 10, 32), torch.ones(1, 1, 10, 32), None, 5, rank=0,
                                    world_size=1), ValueError, "max_seq_len"),
     (lambda: cp_flash_decode(torch.ones(1, 8, 32), torch.ones(1, 2, 4, 32), torch.ones(1, 2, 4, 32), None,
                              return_lse=1), TypeError, "return_lse"),
-    (lambda: CPKVCache(1, 1, 8, 10), ValueError, "pass rank and world_size, or initialise a process group"),
+    (lambda: CPKVCache(1, 1, 32, 10), ValueError, "pass rank and world_size, or initialise a process group"),
 ], ids=["batch-0", "rank", "dtype", "append-shape", "append-dtype", "append-v-shape", "set-lengths-range",
         "prefix-too-long", "return-lse", "no-group"])
 def test_cache_and_cp_decode_reject_bad_input(call, exc, match):

@@ -17,7 +17,10 @@ naming it; a word that differs raises on every rank naming the argument. The col
 host (it reads tensor values), so it is skipped while a CUDA graph is being captured: a replay costs
 nothing, and the eager calls before the capture (the warm-up) have checked the same arguments. A
 :class:`~cp_attention.distributed.CPKVCache` checks its ``rank``/``world_size`` against its group once, when
-it is built.
+it is built, and :func:`~cp_attention.distributed.merge_across_ranks` / ``all_gather_states`` compare the state's
+shape and dtype (``check_metadata``). The checks a call makes before its collective run inside it, so a rank that
+rejects an argument still reaches the collective and every rank raises; only ``check_metadata`` itself must be the
+same on every rank (a rank that skips the collective cannot tell the others).
 """
 from __future__ import annotations
 
@@ -51,16 +54,26 @@ def _digest(t: torch.Tensor) -> int:
 
 
 def value_word(x) -> int:
-    """The word of an optional argument: 0 for None, an int as itself (+1), a float's bits, a tensor's digest."""
+    """The word of an optional integer argument or tensor: 0 for None, an integer as itself (+1), a tensor's
+    digest."""
     if x is None:
         return 0
     if isinstance(x, torch.Tensor):
         return _digest(x)
-    if isinstance(x, bool):
-        return int(x) + 1
-    if isinstance(x, int):
-        return x + 1
-    return _bits(x)
+    return int(x) + 1
+
+
+def real_word(x) -> int:
+    """The word of an optional real argument, the same for equal values in any form: 0 for None, the value's
+    bits as a float64 (``30`` and ``30.0`` agree; so do ``tensor(0.5)`` and ``0.5``), a tensor of several values
+    by the digest of its values as float64."""
+    if x is None:
+        return 0
+    if isinstance(x, torch.Tensor):
+        word = _bits(x.item()) if x.numel() == 1 else _digest(x.detach().double())
+    else:
+        word = _bits(x)
+    return word or 1  # 0.0's bits are 0, None's word
 
 
 def _collective_device(group) -> torch.device:
@@ -70,8 +83,8 @@ def _collective_device(group) -> torch.device:
     return torch.device("cpu")
 
 
-def agree(local, group, what: str):
-    """Run ``local()`` (validates this rank's arguments; returns ``(words, result)`` with ``len(FIELDS)`` int
+def agree(local, group, what: str, fields=FIELDS):
+    """Run ``local()`` (validates this rank's arguments; returns ``(words, result)`` with ``len(fields)`` int
     words, or raises ``ValueError``/``TypeError``), all-gather the words of every rank and raise on every rank
     if a rank rejected its arguments or a word differs across ranks, naming the arguments; else return
     ``result``. See Note [Agreement across ranks]."""
@@ -84,9 +97,9 @@ def agree(local, group, what: str):
         meta = [1, *words]
     except (ValueError, TypeError) as exc:
         error = exc
-        meta = [0] * (1 + len(FIELDS))
-    if len(meta) != 1 + len(FIELDS):
-        raise AssertionError(f"{what}: {len(meta) - 1} agreement words for {len(FIELDS)} fields")
+        meta = [0] * (1 + len(fields))
+    if len(meta) != 1 + len(fields):
+        raise AssertionError(f"{what}: {len(meta) - 1} agreement words for {len(fields)} fields")
     world = dist.get_world_size(group)
     device = _collective_device(group)
     mine = torch.tensor(meta, dtype=torch.int64, device=device)
@@ -98,9 +111,9 @@ def agree(local, group, what: str):
     bad = [r for r, row in enumerate(rows) if row[0] == 0]
     if bad:
         raise ValueError(f"{what}: rank(s) {bad} rejected their arguments (see their error)")
-    differ = [name for i, name in enumerate(FIELDS) if len({row[1 + i] for row in rows}) > 1]
+    differ = [name for i, name in enumerate(fields) if len({row[1 + i] for row in rows}) > 1]
     if differ:
-        ranks = {name: [r for r, row in enumerate(rows) if row[1 + FIELDS.index(name)] != rows[0][1 + FIELDS.index(name)]]
+        ranks = {name: [r for r, row in enumerate(rows) if row[1 + fields.index(name)] != rows[0][1 + fields.index(name)]]
                  for name in differ}
         detail = "; ".join(f"{name} differs from rank 0's on rank(s) {ranks[name]}" for name in differ)
         raise ValueError(f"{', '.join(differ)} must be equal on every rank of the group ({what}): {detail}")
@@ -117,8 +130,8 @@ def decode_meta(q, k_shard, v_shard, seq_lens_shard, kwargs, row_limits, window_
     split_size = kwargs.get("split_size")
     words = [q.shape[0], geo.q_rows, q.shape[-2], d, _DTYPE_CODES[q.dtype], geo.hkv,
              _bits(1.0 / math.sqrt(d) if sm_scale is None else sm_scale), value_word(split_size),
-             split_slots(split_size, geo.t_max), value_word(window_left), value_word(kwargs.get("logit_softcap")),
-             value_word(kwargs.get("k_scale")), value_word(kwargs.get("v_scale")), value_word(kwargs.get("sinks")), 0,
+             split_slots(split_size, geo.t_max), value_word(window_left), real_word(kwargs.get("logit_softcap")),
+             real_word(kwargs.get("k_scale")), real_word(kwargs.get("v_scale")), real_word(kwargs.get("sinks")), 0,
              value_word(global_lens)]
     return words, geo
 
@@ -131,8 +144,20 @@ def cascade_meta(q, checked, kwargs) -> list:
     return [q.shape[0], q.shape[1] if q.dim() == 4 else 1, q.shape[-2], d, _DTYPE_CODES[q.dtype],
             checked[0].lvl.k.shape[2 if checked[0].lvl.block_table is not None else 1],
             _bits(1.0 / math.sqrt(d) if sm_scale is None else sm_scale), 0, 0, 0,
-            value_word(kwargs.get("logit_softcap")), value_word(kwargs.get("k_scale")),
-            value_word(kwargs.get("v_scale")), value_word(kwargs.get("sinks")), struct.unpack("<q", kinds)[0], 0]
+            real_word(kwargs.get("logit_softcap")), real_word(kwargs.get("k_scale")),
+            real_word(kwargs.get("v_scale")), real_word(kwargs.get("sinks")), struct.unpack("<q", kinds)[0], 0]
+
+
+STATE_FIELDS = ("state.o.shape", "state.o.dtype")
+
+
+def state_meta(state) -> tuple:
+    """:func:`agree`'s ``local`` of an exchange of states: checks ``state`` and gives its shape and dtype."""
+    from .._validate import check_state
+
+    check_state("state", state)
+    shape = hashlib.blake2b(repr(tuple(state.o.shape)).encode(), digest_size=8).digest()
+    return [struct.unpack("<q", shape)[0], _DTYPE_CODES.get(state.o.dtype, 0)], None
 
 
 def split_slots(split_size, t_max) -> int:
@@ -146,15 +171,21 @@ def split_slots(split_size, t_max) -> int:
     return t_max // split_size
 
 
-def check_ranks(rank: int, world_size: int, group) -> None:
+def check_ranks(rank: int, world_size: int, group, error: Exception | None = None) -> None:
     """A cache built for ``rank`` of ``world_size`` is rank ``rank`` of ``group`` of that size, on every rank (one
-    collective, at construction)."""
+    collective, at construction). ``error``: this rank's rejection of its other arguments, raised here after the
+    collective (the other ranks raise naming this rank), so that no rank waits for one that gave up."""
     true_rank, true_world = dist.get_rank(group), dist.get_world_size(group)
     device = _collective_device(group)
-    mine = torch.tensor([rank, world_size, true_rank, true_world], dtype=torch.int64, device=device)
-    everyone = torch.empty(4 * true_world, dtype=torch.int64, device=device)
+    mine = torch.tensor([rank, world_size, true_rank, true_world, error is None], dtype=torch.int64, device=device)
+    everyone = torch.empty(5 * true_world, dtype=torch.int64, device=device)
     all_gather_single(everyone, mine, group=group)
-    rows = everyone.view(true_world, 4).tolist()
+    rows = everyone.view(true_world, 5).tolist()
+    if error is not None:
+        raise error
+    bad = [r for r, row in enumerate(rows) if not row[4]]
+    if bad:
+        raise ValueError(f"CPKVCache: rank(s) {bad} rejected their arguments (see their error)")
     bad_world = [r for r, row in enumerate(rows) if row[1] != row[3]]
     if bad_world:
         raise ValueError(f"world_size must be the group's size {true_world} on every rank, got "

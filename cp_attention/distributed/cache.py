@@ -8,7 +8,9 @@ import torch.distributed as dist
 
 from .. import _device, _library
 from .._constants import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES
-from .._validate import check_inference, check_int, check_kv_scales, check_tensor, check_unit_stride
+from ..decode import flash_decode
+from .._validate import (check_bool, check_device, check_head_dim, check_inference, check_int, check_kv_scales, check_tensor,
+                         check_unit_stride)
 from .agree import check_ranks
 from .decode import cp_decode
 from .shard import interleaved_counts, shard_kv
@@ -68,28 +70,33 @@ class CPKVCache:
         process group is initialised, they are checked against it on every rank (one collective, here:
         Note [Agreement across ranks]).
         """
-        batch = check_int("batch", batch, 1)
-        heads_kv = check_int("heads_kv", heads_kv, 1)
-        head_dim = check_int("head_dim", head_dim, 1)
-        max_seq_len = check_int("max_seq_len", max_seq_len, 1)
-        if page_size is not None:
-            page_size = check_int("page_size", page_size, 1)
-        if dtype not in FLOAT_DTYPES + FP8_DTYPES:
-            raise TypeError(f"dtype must be one of {FLOAT_DTYPES + FP8_DTYPES}, got {dtype}")
-        device = torch.device("cpu") if device is None else torch.device(device)
-        if device.type == "cuda" and device.index is None:  # where torch puts tensors made on "cuda"
-            device = torch.device("cuda", torch.cuda.current_device())
-        check_kv_scales(k_scale, v_scale, dtype, torch.bfloat16, heads_kv, device)
+        grouped = dist.is_available() and dist.is_initialized()
+        try:  # with a process group, a rejected argument is raised inside the ranks' check: no rank hangs
+            batch = check_int("batch", batch, 1)
+            heads_kv = check_int("heads_kv", heads_kv, 1)
+            head_dim = check_int("head_dim", head_dim, 1)
+            check_head_dim(head_dim, "head_dim:")
+            max_seq_len = check_int("max_seq_len", max_seq_len, 1)
+            if page_size is not None:
+                page_size = check_int("page_size", page_size, 1)
+            if dtype not in FLOAT_DTYPES + FP8_DTYPES:
+                raise TypeError(f"dtype must be one of {FLOAT_DTYPES + FP8_DTYPES}, got {dtype}")
+            device = check_device("device", device)
+            check_kv_scales(k_scale, v_scale, dtype, torch.bfloat16, heads_kv, device)
+            if (rank is None or world_size is None) and not grouped:
+                raise ValueError("CPKVCache: pass rank and world_size, or initialise a process group "
+                                 "(torch.distributed.init_process_group) to take them from")
+            world_size = check_int("world_size", dist.get_world_size(group) if world_size is None else world_size, 1)
+            rank = check_int("rank", dist.get_rank(group) if rank is None else rank, 0, world_size - 1)
+            error = None
+        except (ValueError, TypeError) as exc:
+            error = exc
+        if grouped:
+            check_ranks(rank if error is None else -1, world_size if error is None else -1, group, error)
+        elif error is not None:
+            raise error
+        self.rank = rank
         self.k_scale, self.v_scale = k_scale, v_scale
-        if (rank is None or world_size is None) and not (dist.is_available() and dist.is_initialized()):
-            raise ValueError("CPKVCache: pass rank and world_size, or initialise a process group "
-                             "(torch.distributed.init_process_group) to take them from")
-        world_size = dist.get_world_size(group) if world_size is None else world_size
-        world_size = check_int("world_size", world_size, 1)
-        rank = dist.get_rank(group) if rank is None else rank
-        self.rank = check_int("rank", rank, 0, world_size - 1)
-        if dist.is_available() and dist.is_initialized():
-            check_ranks(self.rank, world_size, group)
         self.world_size = world_size
         self.group = group
         self.max_seq_len = max_seq_len
@@ -227,8 +234,8 @@ class CPKVCache:
             k_new, v_new = k_new.unsqueeze(1), v_new.unsqueeze(1)
         n = k_new.shape[1]
         if self.free_slots < n:
-            raise RuntimeError(f"CPKVCache is full: {n} more tokens would pass max_seq_len = {self.max_seq_len} "
-                               f"({self.free_slots} free)")
+            raise ValueError(f"CPKVCache is full: {n} more tokens would pass max_seq_len = {self.max_seq_len} "
+                             f"({self.free_slots} free)")
         if _device.use_triton(self._k):
             from ..ops.append import append_tokens
 
@@ -271,17 +278,27 @@ class CPKVCache:
         """Attention of ``q [B, Hq, D]``, or ``q [B, Q, Hq, D]`` with the causal rule in global positions,
         over the cache, merged across the ranks (all ranks call it); ``kwargs`` as in
         :func:`cp_flash_decode`, plus ``window_left`` (in global positions, as in :func:`flash_decode`)."""
-        check_inference("CPKVCache.decode", ("q", *kwargs), q, *kwargs.values())
-        for own in ("block_table", "kv_layout", "k_scale", "v_scale"):
-            if own in kwargs:
-                raise TypeError(f"CPKVCache.decode takes no {own} (the cache has its own)")
         check_metadata = kwargs.pop("check_metadata", True)
         window = kwargs.pop("window_left", None)
-        if window is not None:
-            check_int("window_left", window, 0)
+
+        given = dict(kwargs)  # the caller's arguments (kwargs gains the cache's own below)
+
+        def pre():
+            check_inference("CPKVCache.decode", ("q", *given), q, *given.values())
+            for own in ("block_table", "kv_layout", "k_scale", "v_scale"):
+                if own in given:
+                    raise TypeError(f"CPKVCache.decode takes no {own} (the cache has its own)")
+            if window is not None:
+                check_int("window_left", window, 0)
+
+        try:  # a rejected argument is raised inside the agreement collective (cp_decode), so no rank hangs
+            pre()
+            rejected = False
+        except (ValueError, TypeError):
+            rejected = True
         row_limits = span = None
         n_q = q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 4 else 1
-        if n_q > 1 or window is not None:
+        if not rejected and (n_q > 1 or window is not None):
             # Row i sees the global positions [L - Q + i - W, L - Q + 1 + i): on this rank, the owned slots
             # below each end (interleaved placement: counted, not searched).
             end = self.global_seq_lens[:, None] - n_q + 1 + torch.arange(n_q, device=self.seq_lens.device)
@@ -292,9 +309,14 @@ class CPKVCache:
                 span = -(-(window + n_q) // self.world_size) + 1
         if self.k_scale is not None:
             kwargs = dict(kwargs, k_scale=self.k_scale, v_scale=self.v_scale)
+        if self.world_size == 1 and not (dist.is_available() and dist.is_initialized()):  # one process, no group
+            pre()
+            check_bool("check_metadata", check_metadata)
+            return flash_decode(q, self.k, self.v, self.seq_lens, row_limits=row_limits, _span=span,
+                                block_table=self.block_table, kv_layout=self.kv_layout, **kwargs)
         return cp_decode(q, self.k, self.v, self.seq_lens, group=self.group, check_metadata=check_metadata,
                          row_limits=row_limits, span=span, window_left=window, global_lens=self.global_seq_lens,
-                         what="CPKVCache.decode",
+                         what="CPKVCache.decode", pre=pre,
                          kwargs=dict(kwargs, block_table=self.block_table, kv_layout=self.kv_layout))
 
     # A dense cache's k/v are views made from the buffers at each read, never kept: traced code then takes the

@@ -45,13 +45,13 @@ from ..cascade import cascade_decode
 from ..decode import flash_decode, merge_packed_torch
 from ..ops.split_kv import combine_exported
 from ..state import AttentionState
-from .agree import agree, cascade_meta, decode_meta, split_slots
+from .agree import STATE_FIELDS, agree, cascade_meta, decode_meta, split_slots, state_meta
 from .exchange import exchange_for
 
 __all__ = ["all_gather_states", "merge_across_ranks", "cp_flash_decode", "cp_cascade_decode", "init_distributed"]
 
 
-def all_gather_states(state, group=None) -> AttentionState:
+def all_gather_states(state, group=None, *, check_metadata=True) -> AttentionState:
     """Gather every rank's attention state with one collective.
 
     Args:
@@ -59,6 +59,9 @@ def all_gather_states(state, group=None) -> AttentionState:
             float32 natural log; the same shape and dtype on every rank of ``group``.
         group: the process group (default: the world). Its backend must support the one-tensor
             all-gather (NCCL and gloo do).
+        check_metadata: compare the state's shape and dtype across the ranks first (one small collective, a
+            host sync; skipped while a CUDA graph is captured): a mismatch raises ``ValueError`` on every
+            rank. ``False`` on a hot path whose shapes are known to agree.
 
     Returns:
         ``AttentionState(o [W, ..., D] in state.o's dtype, lse [W, ...] float32)`` with ``W`` the group
@@ -72,15 +75,30 @@ def all_gather_states(state, group=None) -> AttentionState:
     >>> st.o.shape, st.lse.shape                      # [W, 4, 8, 64], [W, 4, 8]
     (torch.Size([1, 4, 8, 64]), torch.Size([1, 4, 8]))
     """
-    check_inference("all_gather_states", ("state",), state)
-    check_state("state", state)
+    _check_exchange("all_gather_states", state, group, check_metadata)
     if torch.compiler.is_compiling():  # Dynamo traces: the op (Note [Custom ops under torch.compile], _library.py)
-        return _library.all_gather_states(state, group)
+        return _library.all_gather_states(state, group, check_metadata)
     o, lse = state
     exchange = exchange_for(group)
     gathered = exchange.gather(_pack(o, lse, exchange))
     d = o.shape[-1]
     return AttentionState(gathered[..., :d].to(o.dtype), gathered[..., d])
+
+
+def _check_exchange(what: str, state, group, check_metadata) -> None:
+    """``state`` checked, and with ``check_metadata`` (outside CUDA-graph capture and tracing) its shape and dtype
+    compared across the ranks in one collective: a mismatch raises on every rank (Note [Agreement across
+    ranks]) instead of a crash or a merge of unrelated rows."""
+    def local():
+        check_inference(what, ("state",), state)
+        check_bool("check_metadata", check_metadata)
+        return state_meta(state)
+
+    if torch.compiler.is_compiling() or not joins_agreement(state[0] if isinstance(state, tuple) and state else None,
+                                                             check_metadata) or not dist.is_initialized():
+        local()
+    else:
+        agree(local, group, what, STATE_FIELDS)
 
 
 def _pack(o, lse, exchange) -> torch.Tensor:
@@ -92,12 +110,13 @@ def _pack(o, lse, exchange) -> torch.Tensor:
     return packed
 
 
-def merge_across_ranks(state, group=None) -> AttentionState:
+def merge_across_ranks(state, group=None, *, check_metadata=True) -> AttentionState:
     """⊕ of every rank's attention state: the state of the union of the ranks' (disjoint) key sets.
 
     Args:
         state: ``AttentionState(o [..., D], lse [...])`` as in :func:`all_gather_states`.
         group: the process group (default: the world).
+        check_metadata: as in :func:`all_gather_states`.
 
     Returns:
         ``AttentionState(o [..., D] in state.o's dtype, lse [...] float32, natural log)``, bitwise
@@ -109,10 +128,9 @@ def merge_across_ranks(state, group=None) -> AttentionState:
     >>> merged.o.shape, merged.lse.shape               # the state of every rank's keys together
     (torch.Size([2, 8, 64]), torch.Size([2, 8]))
     """
-    check_inference("merge_across_ranks", ("state",), state)
-    check_state("state", state)
+    _check_exchange("merge_across_ranks", state, group, check_metadata)
     if torch.compiler.is_compiling():  # Dynamo traces: the op (Note [Custom ops under torch.compile], _library.py)
-        return _library.merge_across_ranks(state, group)
+        return _library.merge_across_ranks(state, group, check_metadata)
     o, lse = state
     exchange = exchange_for(group)
     return exchange.merge(_pack(o, lse, exchange), o.dtype)
@@ -159,21 +177,29 @@ def _exchange(q, local_into, *, group, return_lse, sinks, pushes=False):
 
 
 def cp_decode(q, k_shard, v_shard, seq_lens_shard, *, group, check_metadata, row_limits, span, kwargs,
-              window_left=None, global_lens=None, what="cp_flash_decode"):
+              window_left=None, global_lens=None, what="cp_flash_decode", pre=None):
     """Local attention written unrounded into the exchange buffer, then ⊕ across the ranks. Every argument is
     checked once: inside the agreement collective with ``check_metadata`` (Note [Agreement across ranks]), else
     by ``flash_decode`` itself. ``window_left``: the window a caller (``CPKVCache.decode``) turned into
-    ``row_limits``, and ``global_lens``, its global sequence lengths, for the agreement check."""
-    check_bool("check_metadata", check_metadata)
-    if "out" in kwargs:
-        raise TypeError(f"{what} does not take out (the local state goes into the exchange buffer)")
+    ``row_limits``, and ``global_lens``, its global sequence lengths, for the agreement check; ``pre``: the
+    caller's own checks, run there too (a rank that rejects an argument raises on every rank, none hangs)."""
+    def checks():
+        if pre is not None:
+            pre()
+        check_bool("check_metadata", check_metadata)
+        if "out" in kwargs:
+            raise TypeError(f"{what} does not take out (the local state goes into the exchange buffer)")
+
     if torch.compiler.is_compiling():  # Dynamo traces: the op (Note [Custom ops under torch.compile], _library.py)
+        checks()
         return _library.cp_decode(q, k_shard, v_shard, seq_lens_shard, group, check_metadata, row_limits, span, kwargs,
                                   window_left, what)
     geo = None
-    if check_metadata and not _capturing(q):
-        geo = agree(lambda: decode_meta(q, k_shard, v_shard, seq_lens_shard, kwargs, row_limits, window_left,
-                                        global_lens), group, what)
+    if joins_agreement(q, check_metadata):
+        geo = agree(lambda: (checks(), decode_meta(q, k_shard, v_shard, seq_lens_shard, kwargs, row_limits,
+                                                   window_left, global_lens))[1], group, what)
+    else:
+        checks()
     kwargs = dict(kwargs)
     return_lse = kwargs.pop("return_lse", False)
     check_bool("return_lse", return_lse)
@@ -189,7 +215,14 @@ def cp_decode(q, k_shard, v_shard, seq_lens_shard, *, group, check_metadata, row
 
 
 def _capturing(q) -> bool:
-    return q.is_cuda and torch.cuda.is_current_stream_capturing()
+    return isinstance(q, torch.Tensor) and q.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def joins_agreement(q, check_metadata) -> bool:
+    """Whether a call takes part in the agreement collective: unless ``check_metadata`` is ``False`` (a value
+    that is not a bool joins it and is rejected there, so that the other ranks do not wait) or a CUDA graph is
+    being captured."""
+    return check_metadata is not False and not _capturing(q)
 
 
 def _cp_decode_deterministic(q, k_shard, v_shard, seq_lens_shard, geo, row_limits, group, return_lse, sinks, kwargs):
@@ -265,16 +298,18 @@ def cp_flash_decode(q, k_shard, v_shard, seq_lens_shard, *, group=None, check_me
     >>> torch.allclose(o, flash_decode(q, k, v, seq_lens), atol=1e-5)
     True
     """
-    check_inference("cp_flash_decode", ("q", "k_shard", "v_shard", *flash_decode_kwargs), q, k_shard, v_shard,
-                    *flash_decode_kwargs.values())
-    if isinstance(q, torch.Tensor) and q.dim() == 4:
-        raise ValueError("q must have 3 dims [B, Hq, D] in cp_flash_decode: several query rows need the causal "
-                         "rule in global positions, which CPKVCache.decode applies")
-    if flash_decode_kwargs.get("window_left") is not None:
-        raise TypeError("window_left needs global positions, which cp_flash_decode does not have: use "
-                        "CPKVCache.decode")
+    def pre():
+        check_inference("cp_flash_decode", ("q", "k_shard", "v_shard", *flash_decode_kwargs), q, k_shard, v_shard,
+                        *flash_decode_kwargs.values())
+        if isinstance(q, torch.Tensor) and q.dim() == 4:
+            raise ValueError("q must have 3 dims [B, Hq, D] in cp_flash_decode: several query rows need the causal "
+                             "rule in global positions, which CPKVCache.decode applies")
+        if flash_decode_kwargs.get("window_left") is not None:
+            raise TypeError("window_left needs global positions, which cp_flash_decode does not have: use "
+                            "CPKVCache.decode")
+
     return cp_decode(q, k_shard, v_shard, seq_lens_shard, group=group, check_metadata=check_metadata,
-                      row_limits=None, span=None, kwargs=flash_decode_kwargs)
+                     row_limits=None, span=None, kwargs=flash_decode_kwargs, pre=pre)
 
 
 def cp_cascade_decode(q, levels, *, group=None, check_metadata=True, **cascade_kwargs):
@@ -308,22 +343,28 @@ def cp_cascade_decode(q, levels, *, group=None, check_metadata=True, **cascade_k
     >>> torch.allclose(o, cascade_decode(q, [CascadeLevel(pk, pv), CascadeLevel(ok, ov)]), atol=1e-5)
     True
     """
-    check_inference("cp_cascade_decode", ("q", "levels", *cascade_kwargs), q, levels, *cascade_kwargs.values())
-    if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] > 1:
-        raise ValueError("q must have one row per request in cp_cascade_decode: several query rows need the causal "
-                         "rule in global positions")
-    check_bool("check_metadata", check_metadata)
-    check_bool("return_lse", cascade_kwargs.get("return_lse", False))
+    def pre():
+        check_inference("cp_cascade_decode", ("q", "levels", *cascade_kwargs), q, levels, *cascade_kwargs.values())
+        if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] > 1:
+            raise ValueError("q must have one row per request in cp_cascade_decode: several query rows need the "
+                             "causal rule in global positions")
+        check_bool("check_metadata", check_metadata)
+        check_bool("return_lse", cascade_kwargs.get("return_lse", False))
+
     if torch.compiler.is_compiling():  # Dynamo traces: the op (Note [Custom ops under torch.compile], _library.py)
+        pre()
         return _library.cp_cascade_decode(q, levels, group, check_metadata, cascade_kwargs)
     kwargs = dict(cascade_kwargs)
     checked = None
-    if check_metadata and not _capturing(q):
+    if joins_agreement(q, check_metadata):  # the checks run inside the collective: every rank raises, none hangs
         def local():
+            pre()
             levels_checked = check_cascade_args(q, levels, **kwargs)
             return cascade_meta(q, levels_checked[0], kwargs), levels_checked
 
         checked = agree(local, group, "cp_cascade_decode")
+    else:
+        pre()
     return_lse = kwargs.pop("return_lse", False)
     sinks = kwargs.pop("sinks", None)
     d = q.shape[-1]
