@@ -122,12 +122,19 @@ _ACTIVE = _Slot()
 def _check_config(config) -> tuple:
     """``(text config, head_dim, per-layer sliding windows)`` of a model this attention can run; a
     ``ValueError`` naming what it cannot express otherwise."""
+    try:
+        return _read_config(config)
+    except RuntimeError as exc:  # transformers' AmbiguousGlobalPerLayerAttributeError: per-layer values differ
+        if "PerLayer" not in type(exc).__name__:
+            raise
+        raise ValueError(f"CPCache: attention attributes that differ between layers (a heterogeneous per-layer "
+                         f"config) are not supported: {exc}") from None
+
+
+def _read_config(config) -> tuple:
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError("CPCache: encoder-decoder models (cross-attention) are not supported")
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if getattr(text, "is_heterogeneous", False):
-        raise ValueError("CPCache: heterogeneous configs (attention attributes that differ between layers) are not "
-                         "supported")
     model_type = getattr(text, "model_type", "")
     if model_type in _UNSUPPORTED_MODEL_TYPES:
         raise ValueError(f"CPCache: model_type {model_type!r} is not supported ({_UNSUPPORTED_MODEL_TYPES[model_type]})")
