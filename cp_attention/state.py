@@ -29,7 +29,7 @@ import torch
 from . import _device, _library
 from ._constants import FLOAT_DTYPES, LN2, LOG2E
 from ._device import use_triton
-from ._validate import check_inference, check_state, check_state_tensors, check_variants
+from ._validate import check_inference, check_int, check_state, check_state_tensors, check_variants
 
 __all__ = ["AttentionState", "merge", "merge_states", "lse_to_base2", "lse_from_base2"]
 
@@ -54,8 +54,16 @@ class AttentionState(NamedTuple):
 
     @classmethod
     def empty(cls, shape, head_dim: int, *, dtype=torch.float32, device=None) -> "AttentionState":
-        """The identity of ⊕: ``o = 0`` of shape ``[*shape, head_dim]`` in ``dtype``, ``lse = -inf`` float32."""
-        shape = tuple(shape) if not isinstance(shape, int) else (shape,)
+        """The identity of ⊕: ``o = 0`` of shape ``[*shape, head_dim]`` in ``dtype`` (float16, bfloat16 or
+        float32), ``lse = -inf`` float32."""
+        shape = (shape,) if isinstance(shape, int) and not isinstance(shape, bool) else shape
+        try:
+            shape = tuple(check_int(f"shape[{i}]", s, 0) for i, s in enumerate(shape))
+        except TypeError:
+            raise TypeError(f"shape must be an int or a sequence of ints, got {shape!r}") from None
+        head_dim = check_int("head_dim", head_dim, 1)
+        if dtype not in FLOAT_DTYPES:
+            raise TypeError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype}")
         return cls(
             torch.zeros(*shape, head_dim, dtype=dtype, device=device),
             torch.full(shape, float("-inf"), dtype=torch.float32, device=device),
@@ -230,10 +238,18 @@ def merge(a: AttentionState, b: AttentionState) -> AttentionState:
 
 
 def lse_to_base2(lse: torch.Tensor) -> torch.Tensor:
-    """Natural-log LSE -> base-2 LSE (FlashInfer's convention): ``lse * log2(e)``."""
+    """Natural-log LSE -> base-2 LSE (FlashInfer's convention): ``lse * log2(e)``, in ``lse``'s floating dtype."""
+    _check_lse("lse", lse)
     return lse * LOG2E
 
 
 def lse_from_base2(lse2: torch.Tensor) -> torch.Tensor:
-    """Base-2 LSE (FlashInfer's convention) -> natural-log LSE: ``lse2 * ln(2)``."""
+    """Base-2 LSE (FlashInfer's convention) -> natural-log LSE: ``lse2 * ln(2)``, in ``lse2``'s floating dtype."""
+    _check_lse("lse2", lse2)
     return lse2 * LN2
+
+
+def _check_lse(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating-point tensor, got "
+                        f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from cp_attention import flash_decode, quantize_kv
+from cp_attention import AttentionState, flash_decode, lse_from_base2, lse_to_base2, quantize_kv
 from cp_attention.distributed import CPKVCache
 from cp_attention.distributed.agree import real_word, value_word
 from cp_attention.reference import attention
@@ -96,3 +96,17 @@ def test_agreement_words_compare_values_not_forms():
     assert real_word(torch.tensor([0.5, 0.25])) == real_word(torch.tensor([0.5, 0.25], dtype=torch.float64))
     assert real_word(None) == 0 != real_word(0.0)
     assert value_word(np.int64(32)) == value_word(32) != value_word(None)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: AttentionState.empty((2, 4), -1), ValueError, "head_dim"),
+    (lambda: AttentionState.empty((2, -4), 64), ValueError, r"shape\[1\]"),
+    (lambda: AttentionState.empty((2, 4), 64.5), TypeError, "head_dim"),
+    (lambda: AttentionState.empty("ab", 64), TypeError, "shape"),
+    (lambda: AttentionState.empty((2, 4), 64, dtype=torch.int32), TypeError, "dtype"),
+    (lambda: lse_to_base2(torch.tensor([1, 2])), TypeError, "lse must be a floating-point tensor"),
+    (lambda: lse_from_base2([1.0]), TypeError, "lse2 must be a floating-point tensor"),
+], ids=["head-dim-negative", "shape-negative", "head-dim-float", "shape-str", "dtype-int", "lse-int", "lse2-list"])
+def test_state_helpers_check_their_arguments(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
