@@ -152,10 +152,7 @@ STATE_FIELDS = ("state.o.shape", "state.o.dtype")
 
 
 def state_meta(state) -> tuple:
-    """:func:`agree`'s ``local`` of an exchange of states: checks ``state`` and gives its shape and dtype."""
-    from .._validate import check_state
-
-    check_state("state", state)
+    """The words of an exchange of a checked ``state``: its shape and dtype."""
     shape = hashlib.blake2b(repr(tuple(state.o.shape)).encode(), digest_size=8).digest()
     return [struct.unpack("<q", shape)[0], _DTYPE_CODES.get(state.o.dtype, 0)], None
 

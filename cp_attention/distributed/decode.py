@@ -89,16 +89,16 @@ def _check_exchange(what: str, state, group, check_metadata) -> None:
     """``state`` checked, and with ``check_metadata`` (outside CUDA-graph capture and tracing) its shape and dtype
     compared across the ranks in one collective: a mismatch raises on every rank (Note [Agreement across
     ranks]) instead of a crash or a merge of unrelated rows."""
-    def local():
+    def checks():
         check_inference(what, ("state",), state)
         check_bool("check_metadata", check_metadata)
-        return state_meta(state)
+        check_state("state", state)
 
     if torch.compiler.is_compiling() or not joins_agreement(state[0] if isinstance(state, tuple) and state else None,
                                                              check_metadata) or not dist.is_initialized():
-        local()
+        checks()
     else:
-        agree(local, group, what, STATE_FIELDS)
+        agree(lambda: (checks(), state_meta(state))[1], group, what, STATE_FIELDS)
 
 
 def _pack(o, lse, exchange) -> torch.Tensor:
