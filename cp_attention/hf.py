@@ -665,7 +665,7 @@ def cp_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, 
     tensor([1, 0], dtype=torch.int32)
     """
     if q_length > 1 and not _compiling() and _sees_later(mask_function, batch_size, q_length, kv_length, q_offset,
-                                                          kv_offset):
+                                                          kv_offset, getattr(attention_mask, "device", None)):
         # marked, not refused: transformers also asks for masks that no layer uses (a decoder's cross-attention
         # mask without encoder states); the attention function refuses a marked mask
         first = (torch.zeros(batch_size, dtype=torch.int32) if attention_mask is None else
@@ -692,22 +692,25 @@ def cp_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, 
     return first.view(-1, 1, 1, 1)
 
 
-def _sees_later(mask_function, batch_size, q_length, kv_length, q_offset, kv_offset) -> bool:
+def _sees_later(mask_function, batch_size, q_length, kv_length, q_offset, kv_offset, device=None) -> bool:
     """Whether transformers' ``mask_function(batch, head, q_idx, kv_idx)`` lets a query see a later position, on
-    up to 65 evenly spaced query rows of every sequence (index tensors broadcast, as transformers evaluates its
-    mask functions); False where it cannot be evaluated so."""
+    up to 65 evenly spaced query rows of every sequence (index tensors on ``device``, the 2-D mask's, broadcast as
+    transformers evaluates its mask functions); False where it cannot be evaluated so."""
     if mask_function is None or not isinstance(q_offset, int) or not isinstance(kv_offset, int):
         return False
     steps = max(2, min(65, q_length, (1 << 24) // max(1, batch_size * kv_length)))
-    q_idx = q_offset + torch.linspace(0, q_length - 1, steps).round().long().unique()
-    kv_idx = kv_offset + torch.arange(kv_length)
+    q_idx = q_offset + torch.linspace(0, q_length - 1, steps, device=device).round().long().unique()
+    kv_idx = kv_offset + torch.arange(kv_length, device=device)
     try:
-        seen = mask_function(torch.arange(batch_size)[:, None, None, None], torch.zeros((1, 1, 1, 1), dtype=torch.long),
-                             q_idx[None, None, :, None], kv_idx[None, None, None, :])
+        seen = mask_function(torch.arange(batch_size, device=device)[:, None, None, None],
+                             torch.zeros((1, 1, 1, 1), dtype=torch.long, device=device), q_idx[None, None, :, None],
+                             kv_idx[None, None, None, :])
     except Exception:  # a mask function written for scalar indices only (vmap): not checked
         return False
+    if not isinstance(seen, torch.Tensor):
+        return False
     later = kv_idx[None, None, None, :] > q_idx[None, None, :, None]
-    return isinstance(seen, torch.Tensor) and bool((seen.to(torch.bool) & later).any())
+    return bool((seen.to(torch.bool) & later.to(seen.device)).any())
 
 
 def _first_positions(attention_mask):

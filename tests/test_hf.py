@@ -245,9 +245,16 @@ def test_bad_cache_arguments_rejected(kwargs, error, message):
         cph.CPCache(tiny_model("llama").config, **kwargs)
 
 
-def _generate_with(model, ids, mask):
-    extra = {cache_kwarg(model): cph.CPCache(model.config)}
-    return model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, **extra)
+def _assert_generate_refused(model_class, config, match):
+    """``generate()`` of a random ``model_class(config)`` with ``"cp_attention"`` and a CPCache raises ``ValueError``
+    matching ``match``."""
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    model.set_attn_implementation(cph.IMPLEMENTATION)
+    ids, mask = prompts(padded=False)
+    with pytest.raises(ValueError, match=match):
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
+                       **{cache_kwarg(model): cph.CPCache(model.config)})
 
 
 def test_bidirectional_attention_is_refused():
@@ -255,12 +262,7 @@ def test_bidirectional_attention_is_refused():
     ones): refused at the prefill, where a causal answer would silently differ."""
     config = transformers.BertConfig(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
                                      intermediate_size=128, is_decoder=False)
-    torch.manual_seed(0)
-    model = transformers.BertLMHeadModel(config).eval()
-    model.set_attn_implementation(cph.IMPLEMENTATION)
-    ids, mask = prompts(padded=False)
-    with pytest.raises(ValueError, match="lets a position see later ones"):
-        _generate_with(model, ids, mask)
+    _assert_generate_refused(transformers.BertLMHeadModel, config, "lets a position see later ones")
 
 
 def test_attention_outside_the_interface_is_refused():
@@ -268,12 +270,8 @@ def test_attention_outside_the_interface_is_refused():
     but never call cp_attention, which the next layer's update notices."""
     config = transformers.GPTNeoConfig(vocab_size=97, hidden_size=64, num_layers=2, num_heads=2,
                                        attention_types=[[["global"], 2]], max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = transformers.GPTNeoForCausalLM(config).eval()
-    model.set_attn_implementation(cph.IMPLEMENTATION)
-    ids, mask = prompts(padded=False)
-    with pytest.raises(ValueError, match="its attention did not run through attn_implementation='cp_attention'"):
-        _generate_with(model, ids, mask)
+    _assert_generate_refused(transformers.GPTNeoForCausalLM, config,
+                             "its attention did not run through attn_implementation='cp_attention'")
 
 
 def test_a_window_given_only_by_the_config_is_applied():

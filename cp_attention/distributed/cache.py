@@ -293,12 +293,12 @@ class CPKVCache:
 
         try:  # a rejected argument is raised inside the agreement collective (cp_decode), so no rank hangs
             pre()
-            rejected = False
-        except (ValueError, TypeError):
-            rejected = True
+            rejected = None
+        except (ValueError, TypeError) as exc:
+            rejected = exc
         row_limits = span = None
         n_q = q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 4 else 1
-        if not rejected and (n_q > 1 or window is not None):
+        if rejected is None and (n_q > 1 or window is not None):
             # Row i sees the global positions [L - Q + i - W, L - Q + 1 + i): on this rank, the owned slots
             # below each end (interleaved placement: counted, not searched).
             end = self.global_seq_lens[:, None] - n_q + 1 + torch.arange(n_q, device=self.seq_lens.device)
@@ -310,13 +310,14 @@ class CPKVCache:
         if self.k_scale is not None:
             kwargs = dict(kwargs, k_scale=self.k_scale, v_scale=self.v_scale)
         if self.world_size == 1 and not (dist.is_available() and dist.is_initialized()):  # one process, no group
-            pre()
+            if rejected is not None:
+                raise rejected
             check_bool("check_metadata", check_metadata)
             return flash_decode(q, self.k, self.v, self.seq_lens, row_limits=row_limits, _span=span,
                                 block_table=self.block_table, kv_layout=self.kv_layout, **kwargs)
         return cp_decode(q, self.k, self.v, self.seq_lens, group=self.group, check_metadata=check_metadata,
                          row_limits=row_limits, span=span, window_left=window, global_lens=self.global_seq_lens,
-                         what="CPKVCache.decode", pre=pre,
+                         what="CPKVCache.decode", pre=None if rejected is None else _raiser(rejected),
                          kwargs=dict(kwargs, block_table=self.block_table, kv_layout=self.kv_layout))
 
     # A dense cache's k/v are views made from the buffers at each read, never kept: traced code then takes the
@@ -336,3 +337,10 @@ class CPKVCache:
     @property
     def _head_dim(self) -> int:
         return self._k.shape[3]
+
+
+def _raiser(exc: Exception):
+    """A check that raises ``exc`` (an argument rejected before the collective that must report it)."""
+    def check():
+        raise exc
+    return check
