@@ -54,19 +54,18 @@ def tiny_model(arch: str, seed: int = 0, dtype=torch.float32, **overrides):
     return model.to(dtype).eval()
 
 
-def prompts(seed: int = 1, padded: bool = True):
+def prompts(seed: int = 1, padded: bool = True, row: int | None = None):
     """``(input_ids [3, 11], attention_mask [3, 11])``: three prompts of lengths 11, 4, 8, left-padded (or,
-    with ``padded=False``, three of length 11)."""
+    with ``padded=False``, three of length 11); ``row``: that prompt alone, as a batch of one."""
     gen = torch.Generator().manual_seed(seed)
     n = max(PROMPT_LENS)
     ids = torch.randint(1, VOCAB, (len(PROMPT_LENS), n), generator=gen)
-    if not padded:
-        return ids, torch.ones_like(ids)
-    mask = torch.zeros(len(PROMPT_LENS), n, dtype=torch.long)
-    for b, length in enumerate(PROMPT_LENS):
-        mask[b, n - length:] = 1
-        ids[b, : n - length] = 0
-    return ids, mask
+    mask = torch.ones_like(ids)
+    if padded:
+        for b, length in enumerate(PROMPT_LENS):
+            mask[b, : n - length] = 0
+            ids[b, : n - length] = 0
+    return (ids, mask) if row is None else (ids[row:row + 1], mask[row:row + 1])
 
 
 def cache_kwarg(model) -> str:
@@ -75,21 +74,32 @@ def cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def generate(model, ids, mask, cache=None, new_tokens=NEW_TOKENS, **kwargs):
-    """Greedy ``generate`` -> (new tokens [B, N], per-step logits [N, B, V] float32)."""
+# Generation modes beside greedy search that change what the cache sees: beam search reorders its rows
+# (``reorder_cache``); prompt lookup (batch 1) verifies several drafted tokens per forward and crops the
+# rejected ones (``crop``).
+MODES = {
+    "beam2": dict(num_beams=2, num_return_sequences=2),
+    "lookup3": dict(prompt_lookup_num_tokens=3),
+}
+
+
+def generate(model, ids, mask, cache=None, new_tokens=NEW_TOKENS, mode=None):
+    """``generate`` (greedy, or the generation mode ``MODES[mode]``) -> (new tokens [B', N], per-step logits
+    [N, B', V] float32)."""
     extra = {} if cache is None else {cache_kwarg(model): cache}
+    extra.update(MODES[mode] if mode else {})
     with torch.no_grad():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
-                             output_logits=True, return_dict_in_generate=True, pad_token_id=0, **extra, **kwargs)
+                             output_logits=True, return_dict_in_generate=True, pad_token_id=0, **extra)
     return out.sequences[:, ids.shape[1]:], torch.stack(out.logits).float()
 
 
-def reference(model, ids, mask, new_tokens=NEW_TOKENS):
+def reference(model, ids, mask, new_tokens=NEW_TOKENS, mode=None):
     """transformers' eager attention with a DynamicCache: (tokens, logits, smallest top-2 logit gap, the
     cache's ``get_seq_length()``)."""
     model.set_attn_implementation("eager")
     cache = transformers.DynamicCache(config=model.config)
-    tokens, logits = generate(model, ids, mask, cache, new_tokens=new_tokens)
+    tokens, logits = generate(model, ids, mask, cache, new_tokens=new_tokens, mode=mode)
     top2 = logits.topk(2, dim=-1).values
     return tokens, logits, float((top2[..., 0] - top2[..., 1]).min()), int(cache.get_seq_length())
 

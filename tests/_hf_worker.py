@@ -1,7 +1,8 @@
 """One rank of the ``cp_attention.hf`` context-parallel tests, started by ``tests/test_hf.py`` with
 ``python -m torch.distributed.run --nproc-per-node=W``: for every case of ``CASES.json`` (architecture and
-CPCache options; ``padded``: false for prompts of one length; ``rows``: several query rows on a
-non-empty cache instead of ``generate``) it builds the tiny seeded model, generates with a CPCache over the gloo group and saves
+CPCache options; ``padded``: false for prompts of one length; ``row``: that prompt alone; ``mode``: a
+generation mode of ``_hf_models.MODES``; ``rows``: several query rows on a non-empty cache instead of
+``generate``) it builds the tiny seeded model, generates with a CPCache over the gloo group and saves
 ``{case id: (tokens, logits, get_seq_length())}`` to ``OUT_DIR/rank<r>.pt``.
 
     python -m torch.distributed.run --standalone --nproc-per-node=2 tests/_hf_worker.py CASES.json OUT_DIR
@@ -35,11 +36,11 @@ def main():
                 kwargs["dtype"] = DTYPES[kwargs["dtype"]]
             cache = cph.CPCache(model.config, **kwargs)
             assert cache.world_size == dist.get_world_size() and cache.rank == dist.get_rank()
-            ids, mask = prompts(padded=case.get("padded", True))
+            ids, mask = prompts(padded=case.get("padded", True), row=case.get("row"))
             if case.get("rows"):
                 tokens, logits = None, forward_rows(model, ids, mask, cache, case["rows"])
             else:
-                tokens, logits = generate(model, ids, mask, cache)
+                tokens, logits = generate(model, ids, mask, cache, mode=case.get("mode"))
             results[case["id"]] = (tokens, logits, int(cache.get_seq_length()))
         torch.save(results, out_dir / f"rank{dist.get_rank()}.pt")
         dist.barrier()

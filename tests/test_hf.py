@@ -35,27 +35,27 @@ def refs():
     """arch (and prompt kind) -> (tokens, logits, top-2 gap, DynamicCache length), computed on first use."""
     done = {}
 
-    def get(arch, padded=True, rows=None, init=0.5):
-        key = (arch, padded, rows, init)
+    def get(arch, padded=True, rows=None, init=0.5, mode=None, row=None):
+        key = (arch, padded, rows, init, mode, row)
         if key not in done:
             model = tiny_model(arch, initializer_range=init)
-            ids, mask = prompts(padded=padded)
+            ids, mask = prompts(padded=padded, row=row)
             if rows:
                 done[key] = forward_rows(model, ids, mask, transformers.DynamicCache(config=model.config), rows)
             else:
-                done[key] = reference(model, ids, mask)
+                done[key] = reference(model, ids, mask, mode=mode)
                 assert done[key][2] > 1e-3, f"{arch}: greedy choices too close for an exact comparison"
         return done[key]
 
     return get
 
 
-def _cp_generate(arch, padded=True, init=0.5, **cache_kwargs):
+def _cp_generate(arch, padded=True, init=0.5, mode=None, row=None, **cache_kwargs):
     model = tiny_model(arch, initializer_range=init)
     model.set_attn_implementation("cp_attention")
     cache = cph.CPCache(model.config, **cache_kwargs)
-    ids, mask = prompts(padded=padded)
-    tokens, logits = generate(model, ids, mask, cache)
+    ids, mask = prompts(padded=padded, row=row)
+    tokens, logits = generate(model, ids, mask, cache, mode=mode)
     return tokens, logits, cache
 
 
@@ -99,6 +99,34 @@ def test_cache_variants_match_eager(refs, arch, cache_kwargs):
         assert layer.keys.shape[1] == cache_kwargs["page_size"] and layer.block_table.dtype == torch.int32
     else:
         assert layer.block_table is None and layer.keys.shape[:2] == (3, 2)
+
+
+# Beam search over the padded batch (3 prompts x 2 beams: rows reordered at every step); prompt lookup on
+# the left-padded prompt 1 alone, whose drafts are partly rejected (the cache is cropped by 2 at step 3).
+MODE_CASES = [
+    pytest.param(arch, mode, row, kw, id=f"{arch}-{mode}-{name}")
+    for arch in ("llama", "gpt-oss-sinks-window5")
+    for mode, row in (("beam2", None), ("lookup3", 1))
+    for name, kw in (("dynamic", {}), ("static-paged3", {"max_cache_len": 24, "page_size": 3}))]
+
+
+@pytest.mark.parametrize("arch, mode, row, cache_kwargs", MODE_CASES)
+def test_generation_modes_match_eager(refs, monkeypatch, arch, mode, row, cache_kwargs):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the torch path: the modes' cache bookkeeping is the point
+    calls = []
+    for cls, name in ((cph.CPCacheLayer, "reorder_cache"), (cph.CPCache, "crop")):
+        orig = getattr(cls, name)
+        monkeypatch.setattr(cls, name,
+                            lambda self, arg, orig=orig, name=name: (calls.append((name, arg)), orig(self, arg))[1])
+    ref_tokens, ref_logits, _, ref_len = refs(arch, mode=mode, row=row)
+    tokens, logits, cache = _cp_generate(arch, mode=mode, row=row, **cache_kwargs)
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, **LOGIT_TOL)
+    assert int(cache.get_seq_length()) == ref_len
+    if mode == "beam2":  # some step picked the rows in another order
+        assert any(n == "reorder_cache" and not torch.equal(a.cpu(), torch.arange(len(a))) for n, a in calls)
+    else:  # some step rejected drafted tokens
+        assert any(n == "crop" and a < 0 for n, a in calls)
 
 
 @pytest.mark.parametrize("arch, fp8, cache_kwargs", [
@@ -343,12 +371,14 @@ DIST_CASES = {
         {"id": "mistral-static-paged3", "arch": "mistral-window5", "cache": {"max_cache_len": 20, "page_size": 3}},
         {"id": "llama-unpadded", "arch": "llama", "padded": False},
         {"id": "llama-rows3", "arch": "llama", "rows": 3},
+        {"id": "gpt-oss-beam2-paged3", "arch": "gpt-oss-sinks-window5", "mode": "beam2", "cache": {"page_size": 3}},
     ]),
     3: (False, [{"id": a, "arch": a} for a in ARCHS] + [
         {"id": "llama-static-unpadded", "arch": "llama", "padded": False, "cache": {"max_cache_len": 17}},
         {"id": "gemma2-fp8-paged2", "arch": "gemma2-softcap-window5",
          "cache": {"dtype": "float8_e4m3fn", "page_size": 2}},
         {"id": "gpt-oss-rows3-unpadded", "arch": "gpt-oss-sinks-window5", "rows": 3, "padded": False},
+        {"id": "llama-lookup3-static", "arch": "llama", "mode": "lookup3", "row": 1, "cache": {"max_cache_len": 24}},
     ]),
 }
 
@@ -395,7 +425,7 @@ def test_context_parallel_generate_matches_eager(refs, dist_runs, world, case):
     if case.get("rows"):
         torch.testing.assert_close(logits, refs(case["arch"], padded, case["rows"]), **LOGIT_TOL)
         return
-    ref_tokens, ref_logits, _, ref_len = refs(case["arch"], padded)
+    ref_tokens, ref_logits, _, ref_len = refs(case["arch"], padded, mode=case.get("mode"), row=case.get("row"))
     assert length == ref_len
     if "dtype" in case.get("cache", {}):
         tol = FP8_TOL[case["cache"]["dtype"]] * float(ref_logits.abs().max())
