@@ -10,13 +10,17 @@ runs: the first steps compile and record CUDA graphs). Rows:
 * ``native``: ``launch/generate.py --fill-context`` (its decode step captured in one CUDA graph), in a subprocess;
 * ``cp_compiled``: ``generate()`` with ``"cp_attention"`` and a preallocated CPCache: transformers compiles the
   forward itself ("reduce-overhead": CUDA graphs);
+* ``cp_compiled_ahead``: the same through ``custom_generate=cp_attention.hf.decode_ahead`` (the host prepares
+  step t + 1 while the GPU runs step t);
 * ``sdpa_static_compiled``: ``generate()`` with ``"sdpa"`` and a StaticCache, compiled the same way;
 * ``cp_eager`` / ``sdpa_eager``: ``generate()`` without compilation, CPCache / DynamicCache.
 
-For the compiled rows, a second ``generate()`` on the same cache (its length set back) runs under
-``torch.profiler``: ``*_device_ms`` is the GPU's busy time per step (the union of the kernel and copy intervals
-over ``--profile-steps`` steps), so a step's time splits into the device's work and the host time it waits for
-(``generate()`` reads each new token on the host before it prepares the next step).
+Steps are timed on the host, by a logits processor (called once per step, adding no sync): in a steady
+stream of steps the interval between two calls is a step's time. For the compiled rows, a second
+``generate()`` on the same cache (its length set back) runs under ``torch.profiler``: ``*_device_ms`` is the
+GPU's busy time per step (the union of the kernel and copy intervals over ``--profile-steps`` steps), so a
+step's time splits into the device's work and the host time it waits for (``generate()`` reads whether every
+row has finished on the host before it prepares the next step; ``decode_ahead`` reads it a step later).
 
 Prefill: a ``--prefill`` token prompt (random ids) through ``generate(max_new_tokens=1)`` with each attention: its
 time and its next token (the same model and weights, so the tokens must agree).
@@ -46,21 +50,28 @@ from benchmarks._harness import write_json, write_tables  # noqa: E402
 
 CONFIG = "llama3-8b"
 DEVICE = "cuda"
+# row -> (cache kind, attention, compiled, through decode_ahead); "native" runs launch/generate.py
+ROWS = {"native": None, "cp_compiled_ahead": ("cp", "cp_attention", True, True),
+        "cp_compiled": ("cp", "cp_attention", True, False),
+        "sdpa_static_compiled": ("static", "sdpa", True, False), "cp_eager": ("cp", "cp_attention", False, False),
+        "sdpa_eager": ("dynamic", "sdpa", False, False)}
+
+
+def sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 class StepTimer:
-    """A ``generate()`` streamer that timestamps every forward (``put`` gets the prompt, then each new token)."""
+    """A logits processor that timestamps every step on the host (``generate()`` calls it once per forward,
+    after queuing it)."""
 
     def __init__(self):
         self.times = []
 
-    def put(self, value):
-        if DEVICE == "cuda":
-            torch.cuda.synchronize()
+    def __call__(self, input_ids, scores):
         self.times.append(time.perf_counter())
-
-    def end(self):
-        pass
+        return scores
 
 
 def llama(attn: str):
@@ -118,32 +129,39 @@ def filled_cache(model, kind: str, context: int, new_tokens: int):
     return cache
 
 
-def generate(model, cache, context: int, new_tokens: int, compile_: bool, streamer=None):
-    """Greedy ``generate()`` of ``new_tokens`` after ``context`` cached positions; ``(tokens, step seconds)``."""
+def generate(model, cache, context: int, new_tokens: int, compile_: bool, ahead: bool = False, timer=None):
+    """Greedy ``generate()`` of ``new_tokens`` after ``context`` cached positions (``ahead``: through
+    ``decode_ahead``); ``(tokens, step seconds)``."""
+    import transformers
+
+    from cp_attention.hf import decode_ahead
+
     ids = torch.zeros(1, context + 1, dtype=torch.int64, device=DEVICE)
     ids[:, -1] = 7
-    timer = streamer or StepTimer()
+    timer = timer or StepTimer()
     takes_cache = "cache" in __import__("inspect").signature(model.forward).parameters
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
-                         pad_token_id=0, streamer=timer, disable_compile=not compile_,
+                         pad_token_id=0, logits_processor=transformers.LogitsProcessorList([timer]),
+                         disable_compile=not compile_, custom_generate=decode_ahead if ahead else None,
                          **{"cache" if takes_cache else "past_key_values": cache})
     steps = [b - a for a, b in zip(timer.times, timer.times[1:])]
     return out[0, ids.shape[1]:].tolist(), steps
 
 
 class ProfiledSteps(StepTimer):
-    """A streamer that advances a ``torch.profiler`` schedule at every forward."""
+    """A step timer that advances a ``torch.profiler`` schedule at every step."""
 
     def __init__(self, prof):
         super().__init__()
         self.prof = prof
 
-    def put(self, value):
-        super().put(value)
+    def __call__(self, input_ids, scores):
         self.prof.step()
+        return super().__call__(input_ids, scores)
 
 
-def device_ms_per_step(model, cache, kind: str, context: int, new_tokens: int, warmup: int, steps: int):
+def device_ms_per_step(model, cache, kind: str, context: int, new_tokens: int, warmup: int, steps: int,
+                       ahead: bool = False):
     """The GPU's busy time per compiled decode step: ``generate()`` again on ``cache`` (its length set back to
     ``context``) under ``torch.profiler``; the union of the kernel and copy intervals of ``steps`` steps after
     ``warmup``, divided by the steps."""
@@ -156,7 +174,7 @@ def device_ms_per_step(model, cache, kind: str, context: int, new_tokens: int, w
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     schedule = torch.profiler.schedule(wait=warmup, warmup=1, active=steps)
     with torch.profiler.profile(activities=activities, schedule=schedule) as prof:
-        generate(model, cache, context, min(new_tokens, warmup + steps + 2), True, streamer=ProfiledSteps(prof))
+        generate(model, cache, context, min(new_tokens, warmup + steps + 2), True, ahead, timer=ProfiledSteps(prof))
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
@@ -202,8 +220,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=8, help="steps left out of the timing (compile, CUDA graphs)")
     ap.add_argument("--profile-steps", type=int, default=8, help="compiled rows: steps profiled for the device time (0: none)")
     ap.add_argument("--prefill", type=int, default=32768, help="prompt tokens of the prefill comparison (0: none)")
-    ap.add_argument("--rows", nargs="+", default=["native", "cp_compiled", "sdpa_static_compiled", "cp_eager",
-                                                  "sdpa_eager"])
+    ap.add_argument("--rows", nargs="+", default=list(ROWS))
     ap.add_argument("--name", default="bench_hf")
     ap.add_argument("--config", default=CONFIG, help="launch/llama.py CONFIGS entry (tiny: a smoke test)")
     ap.add_argument("--device", default=DEVICE)
@@ -218,26 +235,23 @@ def main():
             else:
                 rows[c]["native_tokens_per_s"] = result.get(c)
     model = llama("cp_attention")
-    runs = [(r, k, a, comp) for r, k, a, comp in (("cp_compiled", "cp", "cp_attention", True),
-                                                  ("sdpa_static_compiled", "static", "sdpa", True),
-                                                  ("cp_eager", "cp", "cp_attention", False),
-                                                  ("sdpa_eager", "dynamic", "sdpa", False)) if r in args.rows]
+    runs = [(r, *ROWS[r]) for r in ROWS if r != "native" and r in args.rows]
     for c in args.contexts:
-        for row, kind, attn, comp in runs:
+        for row, kind, attn, comp, ahead in runs:
             try:
                 model.set_attn_implementation(attn)
                 cache = filled_cache(model, kind, c, args.new_tokens)
                 if comp:  # each compiled row compiles afresh for its shapes (see docs/performance.md)
                     torch._dynamo.reset()
                 with torch.no_grad():
-                    toks, steps = generate(model, cache, c, args.new_tokens, comp)
+                    toks, steps = generate(model, cache, c, args.new_tokens, comp, ahead)
                 tps, med = tokens_per_s(steps, args.warmup)
                 rows[c].update({f"{row}_tokens_per_s": tps, f"{row}_step_ms": med * 1e3 if med else None,
                                 f"{row}_tokens": toks[:8]})
                 if comp and args.profile_steps and DEVICE == "cuda":
                     with torch.no_grad():
                         rows[c][f"{row}_device_ms"] = device_ms_per_step(model, cache, kind, c, args.new_tokens,
-                                                                         args.warmup, args.profile_steps)
+                                                                         args.warmup, args.profile_steps, ahead)
             except Exception as e:  # a failing configuration must not lose the others
                 rows[c][f"{row}_error"] = f"{type(e).__name__}: {e}"[:600]
             finally:
@@ -256,11 +270,11 @@ def main():
                 model.set_attn_implementation(attn)
                 with torch.no_grad():
                     model.generate(ids[:, :128], max_new_tokens=1, do_sample=False, pad_token_id=0)  # warm-up
-                    StepTimer().put(None)
+                    sync()
                     t0 = time.perf_counter()
                     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False,
                                          pad_token_id=0, disable_compile=True)
-                    StepTimer().put(None)
+                    sync()
                 prefill[attn] = {"s": time.perf_counter() - t0, "next_token": int(out[0, -1])}
             except Exception as e:
                 prefill[attn] = {"error": f"{type(e).__name__}: {e}"[:600]}
@@ -276,9 +290,11 @@ def save(args, rows, prefill):
     table_rows = list(rows.values())
     for r in table_rows:
         base = r.get("native_tokens_per_s")
-        cp = r.get("cp_compiled_tokens_per_s")
+        cp, ahead = r.get("cp_compiled_tokens_per_s"), r.get("cp_compiled_ahead_tokens_per_s")
         sd = r.get("sdpa_static_compiled_tokens_per_s") or r.get("sdpa_eager_tokens_per_s")
         r["cp_compiled_over_native"] = cp / base if cp and base else None
+        r["cp_compiled_ahead_over_native"] = ahead / base if ahead and base else None
+        r["cp_compiled_ahead_over_sdpa_best"] = ahead / sd if ahead and sd else None
         r["cp_compiled_over_sdpa_best"] = cp / sd if cp and sd else None
         ce, se = r.get("cp_eager_tokens_per_s"), r.get("sdpa_eager_tokens_per_s")
         r["cp_eager_over_sdpa_eager"] = ce / se if ce and se else None
@@ -294,7 +310,7 @@ def plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = ["native", "cp_compiled", "sdpa_static_compiled", "cp_eager", "sdpa_eager"]
+    names = list(ROWS)
     fig, ax = plt.subplots(figsize=(8, 4))
     width = 0.8 / len(names)
     for i, name in enumerate(names):

@@ -373,6 +373,13 @@ def hf_table(data: dict) -> str:
     header = ["context", "native", "cp_attention + CPCache, compiled", "sdpa + StaticCache, compiled",
               "cp_attention eager", "sdpa + DynamicCache eager", "compiled / native", "compiled cp / sdpa",
               "compiled cp: GPU ms / step ms"]
+    names = ["native", "cp_compiled", "sdpa_static_compiled", "cp_eager", "sdpa_eager"]
+    # decode_ahead's columns where it was measured
+    ahead = any(f"cp_compiled_ahead_{k}" in r for r in data.get("rows", []) for k in ("tokens_per_s", "error"))
+    if ahead:
+        header[2:2] = ["cp_attention + CPCache, compiled, `decode_ahead`"]
+        header[7:7] = ["`decode_ahead` / native", "`decode_ahead` / sdpa"]
+        names[1:1] = ["cp_compiled_ahead"]
 
     def cell(r, n):  # a configuration that raised shows its exception's class (the message is in the JSON)
         err = r.get(f"{n}_error")
@@ -380,10 +387,12 @@ def hf_table(data: dict) -> str:
 
     out = []
     for r in data.get("rows", []):
-        out.append([tokens(r["context"])] + [cell(r, n) for n in
-                                              ("native", "cp_compiled", "sdpa_static_compiled", "cp_eager", "sdpa_eager")]
-                   + [ratio(get(r, "cp_compiled_over_native")), times(get(r, "cp_compiled_over_sdpa_best")),
-                      f"{ratio(get(r, 'cp_compiled_device_ms'), 2)} / {ratio(get(r, 'cp_compiled_step_ms'), 2)}"])
+        ratios = [ratio(get(r, "cp_compiled_over_native")), times(get(r, "cp_compiled_over_sdpa_best"))]
+        if ahead:
+            ratios[:0] = [ratio(get(r, "cp_compiled_ahead_over_native")),
+                          times(get(r, "cp_compiled_ahead_over_sdpa_best"))]
+        out.append([tokens(r["context"])] + [cell(r, n) for n in names] + ratios
+                   + [f"{ratio(get(r, 'cp_compiled_device_ms'), 2)} / {ratio(get(r, 'cp_compiled_step_ms'), 2)}"])
     text = intro + markdown(header, out)
     pre = data.get("prefill") or {}
     cp, sd = pre.get("cp_attention", {}), pre.get("sdpa", {})

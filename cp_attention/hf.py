@@ -11,6 +11,7 @@ is the transformers ``Cache`` that holds this rank's shard of every layer's K/V:
                          max_new_tokens=64)
 
 Under ``torchrun`` every rank runs these lines with the same inputs and gets the same tokens.
+``custom_generate=decode_ahead`` runs the same loop with the host one step ahead of the GPU.
 
 Note [Context-parallel attention inside transformers]
 -----------------------------------------------------
@@ -59,12 +60,17 @@ compiled generation (``generate()`` compiles the forward itself for a compileabl
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import numbers
+import threading
 
 import torch
 import torch.distributed as dist
-from transformers import AttentionInterface, Cache
+import transformers.generation.utils as generation_utils
+from transformers import AttentionInterface, Cache, GenerationMixin
 from transformers.cache_utils import CacheLayerMixin
+from transformers.generation.configuration_utils import GenerationMode
 from transformers.masking_utils import AttentionMaskInterface
 
 from ._constants import FLOAT_DTYPES, FP8_DTYPES
@@ -74,7 +80,7 @@ from .distributed import merge_across_ranks
 from .quant import amax_scale, quantize
 from .state import AttentionState, merge_states
 
-__all__ = ["IMPLEMENTATION", "CPCache", "cp_attention_forward", "cp_attention_mask"]
+__all__ = ["IMPLEMENTATION", "CPCache", "cp_attention_forward", "cp_attention_mask", "decode_ahead"]
 
 IMPLEMENTATION = "cp_attention"
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -949,6 +955,123 @@ def _causal_residues(query, k, v, rank, world, scale) -> AttentionState:
             o[:, res + world::world] = st.o.transpose(1, 2)
             lse[:, res + world::world] = st.lse.transpose(1, 2)
     return AttentionState(o, lse)
+
+
+# ------------------------------------------------------------------------------------------------------
+# A decoding loop whose host runs one step ahead of the GPU
+
+
+class _LateStop:
+    """The stop check of transformers' decoding loop (``generation.utils.StopCheck``'s interface:
+    ``__call__(unfinished_sequences, tokens, length) -> stop``, ``finish() -> steps to undo``), read one step
+    late on a :class:`CPCache`.
+
+    ``unfinished_sequences.max() == 0`` is copied to pinned host memory without waiting, and read at the next
+    step, after that step has been queued: the host waits for step ``t - 1`` while the GPU already runs step
+    ``t``, and prepares step ``t + 1`` meanwhile. When the flag read says every row had finished, step ``t``
+    was one too many: ``finish`` returns 1 (transformers drops that step's token) and crops the cache by the
+    one position that step wrote. The length limit is known on the host and stops without an extra step.
+    """
+
+    @staticmethod
+    def is_supported(device, cache, cache_is_returned, is_assistant=False) -> bool:
+        return isinstance(cache, CPCache) and not is_assistant
+
+    def __init__(self, input_ids, max_length, cache, cache_is_returned, streamer=None):
+        self.max_length, self.cache, self.streamer = max_length, cache, streamer
+        cuda = input_ids.device.type == "cuda"
+        # (finished flag, that step's tokens, an event after both copies); CPU copies are done on return
+        self.slots = collections.deque((torch.zeros((), dtype=torch.bool, pin_memory=cuda),
+                                        torch.zeros(input_ids.shape[0], dtype=input_ids.dtype, pin_memory=cuda),
+                                        torch.cuda.Event() if cuda else None) for _ in range(2))
+        self.steps, self.stopped = 0, False
+
+    def __call__(self, unfinished_sequences, tokens, length) -> bool:
+        flag, host_tokens, done = self.slots[0]
+        flag.copy_(unfinished_sequences.max() == 0, non_blocking=True)
+        if self.streamer is not None:
+            host_tokens.copy_(tokens, non_blocking=True)
+        if done is not None:
+            done.record()
+        self.slots.rotate()
+        if self.steps:  # the previous step's flag (and tokens)
+            flag, host_tokens, done = self.slots[0]
+            if done is not None:
+                done.synchronize()
+            if self.streamer is not None:
+                self.streamer.put(host_tokens.clone())
+            self.stopped = bool(flag)
+        self.steps += 1
+        return self.stopped or (self.max_length is not None and length >= self.max_length)
+
+    def finish(self) -> int:
+        for _, _, done in self.slots:
+            if done is not None:
+                done.synchronize()
+        if self.stopped:
+            self.cache.crop(-1)
+        elif self.streamer is not None and self.steps:
+            self.streamer.put(self.slots[1][1].clone())  # the last step's tokens
+        return int(self.stopped)
+
+
+_LOOP_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _late_stop():
+    """transformers' decoding loop takes :class:`_LateStop` for its deferred stop check while this is open."""
+    if not hasattr(generation_utils, "DeferredStopCheck"):
+        raise RuntimeError("cp_attention.hf.decode_ahead needs a transformers whose decoding loop defers its stop "
+                           "check (transformers.generation.utils.DeferredStopCheck, in 5.17 and later)")
+    with _LOOP_LOCK:
+        own, generation_utils.DeferredStopCheck = generation_utils.DeferredStopCheck, _LateStop
+        try:
+            yield
+        finally:
+            generation_utils.DeferredStopCheck = own
+
+
+def decode_ahead(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                 streamer=None, **model_kwargs):
+    """transformers' greedy search and sampling on a :class:`CPCache` with the host one step ahead of the GPU:
+    pass it to ``generate()`` as ``custom_generate``.
+
+    ``generate()`` asks the GPU after every step whether all rows have finished, and prepares the next step
+    only once the answer is back, so the host's work between steps (inputs, logits processors, Dynamo's guards,
+    the launch of a compiled step's CUDA graph) adds to every step's time. This loop is transformers' own
+    (``GenerationMixin._sample``) with that answer read one step late: the host prepares step ``t + 1`` while
+    the GPU runs step ``t``. When every row has finished (an EOS token in each), one extra step has run; its
+    token is dropped and the position it wrote is cropped from the cache, so the tokens, the logits and the
+    cache are those of ``generate()`` without it. Stopping at ``max_new_tokens`` / ``max_length`` costs no
+    extra step.
+
+    Greedy search and sampling only (beam search, assisted and other modes raise ``ValueError``), on a
+    :class:`CPCache` passed to ``generate()`` (else ``ValueError``); the decode steps are compiled, as
+    without it, for a preallocated cache (``max_cache_len``) on CUDA. transformers does not hand a
+    ``streamer`` to a ``custom_generate`` callable.
+
+    >>> from transformers import AutoModelForCausalLM, LlamaConfig
+    >>> config = LlamaConfig(vocab_size=97, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    ...                      num_attention_heads=4, num_key_value_heads=2)      # a tiny random model
+    >>> model = AutoModelForCausalLM.from_config(config, attn_implementation="cp_attention")
+    >>> ids = torch.tensor([[1, 2, 3, 4, 5]])
+    >>> kw = dict(max_new_tokens=4, do_sample=False)
+    >>> out = model.generate(ids, past_key_values=CPCache(model.config, max_cache_len=16),
+    ...                      custom_generate=decode_ahead, **kw)
+    >>> torch.equal(out, model.generate(ids, past_key_values=CPCache(model.config, max_cache_len=16), **kw))
+    True
+    """
+    mode = generation_config.get_generation_mode()
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+        raise ValueError(f"cp_attention.hf.decode_ahead runs greedy search and sampling, not {mode.value} "
+                         f"(num_beams={generation_config.num_beams}); call generate() without custom_generate")
+    if not any(isinstance(v, CPCache) for v in model_kwargs.values()):
+        raise ValueError("cp_attention.hf.decode_ahead decodes on a CPCache: pass past_key_values="
+                         "cp_attention.hf.CPCache(model.config, ...) to generate()")
+    with _late_stop():
+        return GenerationMixin._sample(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                                       synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
 
 
 AttentionInterface.register(IMPLEMENTATION, cp_attention_forward)

@@ -83,14 +83,18 @@ MODES = {
 }
 
 
-def generate(model, ids, mask, cache=None, new_tokens=NEW_TOKENS, mode=None):
-    """``generate`` (greedy, or the generation mode ``MODES[mode]``) -> (new tokens [B', N], per-step logits
-    [N, B', V] float32)."""
-    extra = {} if cache is None else {cache_kwarg(model): cache}
-    extra.update(MODES[mode] if mode else {})
+def generate(model, ids, mask, cache=None, new_tokens=NEW_TOKENS, mode=None, ahead=False, **kwargs):
+    """``generate`` (greedy, or the generation mode ``MODES[mode]``; ``ahead``: through
+    ``cp_attention.hf.decode_ahead``) -> (new tokens [B', N], per-step logits [N, B', V] float32)."""
+    extra = {"do_sample": False} if cache is None else {"do_sample": False, cache_kwarg(model): cache}
+    extra.update(MODES[mode] if mode else {}, **kwargs)
+    if ahead:
+        import cp_attention.hf
+
+        extra["custom_generate"] = cp_attention.hf.decode_ahead
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
-                             output_logits=True, return_dict_in_generate=True, pad_token_id=0, **extra)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0, **extra)
     return out.sequences[:, ids.shape[1]:], torch.stack(out.logits).float()
 
 

@@ -1,7 +1,7 @@
 """One rank of the ``cp_attention.hf`` context-parallel tests, started by ``tests/test_hf.py`` with
 ``python -m torch.distributed.run --nproc-per-node=W``: for every case of ``CASES.json`` (architecture and
 CPCache options; ``padded``: false for prompts of one length; ``row``: that prompt alone; ``mode``: a
-generation mode of ``_hf_models.MODES``; ``rows``: several query rows on a non-empty cache instead of
+generation mode of ``_hf_models.MODES``; ``ahead``: through ``decode_ahead``; ``rows``: several query rows on a non-empty cache instead of
 ``generate``) it builds the tiny seeded model, generates with a CPCache over the gloo group and saves
 ``{case id: (tokens, logits, get_seq_length())}`` to ``OUT_DIR/rank<r>.pt``.
 
@@ -40,7 +40,8 @@ def main():
             if case.get("rows"):
                 tokens, logits = None, forward_rows(model, ids, mask, cache, case["rows"])
             else:
-                tokens, logits = generate(model, ids, mask, cache, mode=case.get("mode"))
+                tokens, logits = generate(model, ids, mask, cache, mode=case.get("mode"),
+                                          ahead=case.get("ahead", False))
             results[case["id"]] = (tokens, logits, int(cache.get_seq_length()))
         torch.save(results, out_dir / f"rank{dist.get_rank()}.pt")
         dist.barrier()

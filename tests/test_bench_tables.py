@@ -104,3 +104,23 @@ def test_benchmark_fp8_page_pools_hold_the_quantised_cache():
     table = peers.page_table(2, 4, "cpu").long()
     dense = pages[table].reshape(2, 64, 3, 16).permute(0, 2, 1, 3)
     assert torch.equal(dense.view(torch.uint8), (x / 0.5).to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+def test_hf_table_shows_decode_ahead_where_measured():
+    """bench_hf's decode_ahead columns appear once a row has them, beside the other rows' columns."""
+    row = {"context": 32768, "native_tokens_per_s": 174.0, "cp_compiled_tokens_per_s": 120.8,
+           "sdpa_static_compiled_tokens_per_s": 53.5, "cp_eager_tokens_per_s": 22.6, "sdpa_eager_tokens_per_s": 11.4,
+           "cp_compiled_over_native": 0.694, "cp_compiled_over_sdpa_best": 2.26}
+    data = {"config": "llama3-8b", "batch": 1, "new_tokens": 40, "warmup_steps": 8, "rows": [dict(row)]}
+    assert "`decode_ahead`" not in tables.hf_table(data)
+    data["rows"] = [dict(row, cp_compiled_ahead_tokens_per_s=165.4, cp_compiled_ahead_over_native=0.951,
+                         cp_compiled_ahead_over_sdpa_best=3.09),
+                    dict(row, context=131072, cp_compiled_ahead_error="RuntimeError: out of memory")]
+    lines = tables.hf_table(data).splitlines()
+    header = next(line for line in lines if line.startswith("| context"))
+    first, second = (line for line in lines if line.startswith(("| 32k", "| 128k")))
+    assert "| native | cp_attention + CPCache, compiled, `decode_ahead` | cp_attention + CPCache, compiled |" in header
+    assert "`decode_ahead` / native | `decode_ahead` / sdpa | compiled / native |" in header
+    assert first.count("|") == header.count("|") == second.count("|")
+    assert "| 174.0 | 165.4 | 120.8 |" in first and "| 0.951 | 3.09× | 0.694 | 2.26× |" in first
+    assert "| failed (RuntimeError) |" in second

@@ -19,7 +19,7 @@ import transformers
 
 import cp_attention.hf as cph
 from cp_attention.reference import attention
-from tests._hf_models import ARCHS, cache_kwarg, forward_rows, generate, prompts, reference, tiny_model
+from tests._hf_models import ARCHS, NEW_TOKENS, cache_kwarg, forward_rows, generate, prompts, reference, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "_hf_worker.py"
@@ -321,6 +321,97 @@ def test_a_window_given_only_by_the_config_is_applied():
 
 
 # ------------------------------------------------------------------------------------------------------
+# decode_ahead: transformers' loop with its stop check read one step late
+
+
+@pytest.fixture
+def late_stops(monkeypatch):
+    """Every ``_LateStop`` the calls build, with the steps ``finish`` undid."""
+    made = []
+    init, finish = cph._LateStop.__init__, cph._LateStop.finish
+    monkeypatch.setattr(cph._LateStop, "__init__", lambda self, *a, **k: (made.append(self), init(self, *a, **k))[1])
+    monkeypatch.setattr(cph._LateStop, "finish", lambda self: setattr(self, "undone", finish(self)) or self.undone)
+    return made
+
+
+AHEAD_CASES = [
+    pytest.param("llama", {}, id="llama-dynamic"),
+    pytest.param("gemma2-softcap-window5", {"max_cache_len": 20}, id="gemma2-static"),
+    pytest.param("gpt-oss-sinks-window5", {"max_cache_len": 19, "page_size": 4}, id="gpt-oss-static-paged4"),
+]
+
+
+@pytest.mark.parametrize("arch, cache_kwargs", AHEAD_CASES)
+def test_decode_ahead_matches_generate(refs, monkeypatch, late_stops, arch, cache_kwargs):
+    """Greedy to max_new_tokens: the tokens and logits of generate() with the same cache, bitwise, and of
+    transformers' eager attention; no step undone."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    ref_tokens, ref_logits, _, ref_len = refs(arch)
+    tokens, logits, cache = _cp_generate(arch, **cache_kwargs)
+    model = tiny_model(arch)
+    model.set_attn_implementation("cp_attention")
+    ahead_cache = cph.CPCache(model.config, **cache_kwargs)
+    ahead_tokens, ahead_logits = generate(model, *prompts(), ahead_cache, ahead=True)
+    assert len(late_stops) == 1 and late_stops[0].undone == 0 and late_stops[0].steps == NEW_TOKENS
+    assert torch.equal(ahead_tokens, tokens) and torch.equal(ahead_logits, logits)
+    assert torch.equal(ahead_tokens, ref_tokens)
+    torch.testing.assert_close(ahead_logits, ref_logits, **LOGIT_TOL)
+    assert int(ahead_cache.get_seq_length()) == int(cache.get_seq_length()) == ref_len
+
+
+@pytest.mark.parametrize("cache_kwargs", [{}, {"max_cache_len": 24}, {"max_cache_len": 24, "page_size": 3}],
+                         ids=["dynamic", "static", "static-paged3"])
+def test_decode_ahead_undoes_the_step_after_every_row_stopped(monkeypatch, late_stops, cache_kwargs):
+    """EOS tokens end every row before max_new_tokens: one extra step ran and is undone (its token dropped,
+    its position cropped), so the sequences, the cache length and the next forward on the cache equal
+    generate()'s."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    model = tiny_model("llama")
+    model.set_attn_implementation("cp_attention")
+    ids, mask = prompts()
+    free, _ = generate(model, ids, mask, cph.CPCache(model.config, **cache_kwargs))
+    eos = [int(free[0, 1]), int(free[1, 3]), int(free[2, 2])]  # every row ends by its fourth new token
+    runs = []
+    for ahead in (False, True):
+        cache = cph.CPCache(model.config, **cache_kwargs)
+        tokens, logits = generate(model, ids, mask, cache, ahead=ahead, eos_token_id=eos)
+        more = torch.full((ids.shape[0], 1), 5)
+        full = torch.cat([mask, torch.ones_like(tokens), torch.ones_like(more)], dim=1)
+        with torch.no_grad():
+            after = model(input_ids=more, attention_mask=full, position_ids=(full.sum(1, keepdim=True) - 1),
+                          use_cache=True, **{cache_kwarg(model): cache}).logits
+        runs.append((tokens, logits, int(cache.get_seq_length()), after))
+    (tokens, logits, length, after), (a_tokens, a_logits, a_length, a_after) = runs
+    assert tokens.shape[1] < NEW_TOKENS and late_stops[-1].undone == 1
+    assert torch.equal(a_tokens, tokens) and torch.equal(a_logits, logits) and a_length == length
+    assert torch.equal(a_after, after)
+
+
+def test_decode_ahead_samples_as_generate(monkeypatch, late_stops):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    model = tiny_model("mistral-window5")
+    model.set_attn_implementation("cp_attention")
+    ids, mask = prompts()
+    runs = []
+    for ahead in (False, True):
+        torch.manual_seed(3)
+        runs.append(generate(model, ids, mask, cph.CPCache(model.config, max_cache_len=20), ahead=ahead,
+                             do_sample=True, top_k=8))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1]) and len(late_stops) == 1
+
+
+def test_decode_ahead_refuses_other_modes_and_caches():
+    model = tiny_model("llama")
+    model.set_attn_implementation("cp_attention")
+    ids, mask = prompts()
+    with pytest.raises(ValueError, match="greedy search and sampling, not beam_search"):
+        generate(model, ids, mask, cph.CPCache(model.config), mode="beam2", ahead=True)
+    model.set_attn_implementation("eager")
+    with pytest.raises(ValueError, match="decodes on a CPCache"):
+        generate(model, ids, mask, transformers.DynamicCache(config=model.config), ahead=True)
+
+
+# ------------------------------------------------------------------------------------------------------
 # The prefill's attention states against a float64 oracle
 
 
@@ -372,6 +463,7 @@ DIST_CASES = {
         {"id": "llama-unpadded", "arch": "llama", "padded": False},
         {"id": "llama-rows3", "arch": "llama", "rows": 3},
         {"id": "gpt-oss-beam2-paged3", "arch": "gpt-oss-sinks-window5", "mode": "beam2", "cache": {"page_size": 3}},
+        {"id": "gemma2-ahead-static", "arch": "gemma2-softcap-window5", "ahead": True, "cache": {"max_cache_len": 20}},
     ]),
     3: (False, [{"id": a, "arch": a} for a in ARCHS] + [
         {"id": "llama-static-unpadded", "arch": "llama", "padded": False, "cache": {"max_cache_len": 17}},
@@ -379,6 +471,7 @@ DIST_CASES = {
          "cache": {"dtype": "float8_e4m3fn", "page_size": 2}},
         {"id": "gpt-oss-rows3-unpadded", "arch": "gpt-oss-sinks-window5", "rows": 3, "padded": False},
         {"id": "llama-lookup3-static", "arch": "llama", "mode": "lookup3", "row": 1, "cache": {"max_cache_len": 24}},
+        {"id": "qwen3-ahead-paged2", "arch": "qwen3", "ahead": True, "cache": {"page_size": 2}},
     ]),
 }
 
@@ -508,9 +601,11 @@ def test_decode_step_graph_inputs_do_not_alias(paged):
 
 
 @pytest.mark.gpu
-def test_compiled_generate_matches_eager_cuda():
+@pytest.mark.parametrize("ahead", [False, True], ids=["generate", "decode_ahead"])
+def test_compiled_generate_matches_eager_cuda(ahead):
     """32 greedy steps of transformers' own compiled generation (a preallocated CPCache makes generate()
-    compile the forward, CUDA graphs) choose eager transformers' tokens."""
+    compile the forward, CUDA graphs), with its own loop and through decode_ahead, choose eager
+    transformers' tokens."""
     new = 32
     model = tiny_model("llama").cuda()
     ids, mask = (t.cuda() for t in prompts())
@@ -518,5 +613,5 @@ def test_compiled_generate_matches_eager_cuda():
     model.set_attn_implementation("cp_attention")
     cache = cph.CPCache(model.config, max_cache_len=ids.shape[1] + new)
     assert cache.is_compileable
-    tokens, _ = generate(model, ids, mask, cache, new_tokens=new)
+    tokens, _ = generate(model, ids, mask, cache, new_tokens=new, ahead=ahead)
     assert torch.equal(tokens, ref_tokens)
