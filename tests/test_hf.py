@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -607,6 +608,7 @@ def test_compiled_generate_matches_eager_cuda(ahead):
     compile the forward, CUDA graphs), with its own loop and through decode_ahead, choose eager
     transformers' tokens."""
     new = 32
+    torch._dynamo.reset()  # compile for this test's shapes (docs/performance.md: one max_cache_len per compile)
     model = tiny_model("llama").cuda()
     ids, mask = (t.cuda() for t in prompts())
     ref_tokens = reference(model, ids, mask, new_tokens=new)[0]
@@ -615,3 +617,37 @@ def test_compiled_generate_matches_eager_cuda(ahead):
     assert cache.is_compileable
     tokens, _ = generate(model, ids, mask, cache, new_tokens=new, ahead=ahead)
     assert torch.equal(tokens, ref_tokens)
+
+
+@pytest.mark.gpu
+def test_decode_ahead_steps_do_not_wait_for_the_gpu_cuda():
+    """After the compiled step's warm-up (compile, CUDA graph recording), transformers' own loop waits for the
+    GPU at every step (the control: the sync is seen) and decode_ahead's loop never does (its host reads the
+    stop flag through an event of the step before; ``torch.cuda.set_sync_debug_mode``)."""
+    model = tiny_model("llama").cuda()
+    model.set_attn_implementation("cp_attention")
+    ids, mask = (t.cuda() for t in prompts())
+
+    class Watch:  # a logits processor: watches for syncs from its sixth step on
+        calls = 0
+
+        def __call__(self, input_ids, scores):
+            self.calls += 1
+            if self.calls == 6:
+                torch.cuda.set_sync_debug_mode("warn")
+            return scores
+
+    seen = {}
+    for ahead in (False, True):
+        torch._dynamo.reset()
+        cache = cph.CPCache(model.config, max_cache_len=ids.shape[1] + 16)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                generate(model, ids, mask, cache, new_tokens=16, ahead=ahead,
+                         logits_processor=transformers.LogitsProcessorList([Watch()]))
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        seen[ahead] = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert seen[False], "the control saw no sync: the detection does not work"
+    assert not seen[True], seen[True]
