@@ -69,7 +69,7 @@ step prefill_w2 90 $tr --nproc-per-node=2 $gen $out/prompts/p128k.json --new-tok
 # the same through transformers' generate() (the unmodified model, CPCache, compiled); a 32k prompt's prefill
 python3 -c "import json, random; random.seed(1); \
 json.dump([[random.randrange(128000) for _ in range(32768)]], open('$out/prompts/p32k.json', 'w'))"
-hf="$gen $out/prompts/p1.json --backend transformers --compile --new-tokens 24"
+hf="$gen $out/prompts/p1.json --backend transformers --compile --decode-ahead --new-tokens 24"
 step generate_hf_w1 420 env CUDA_VISIBLE_DEVICES=0 $tr --nproc-per-node=1 $hf --fill-context 131072 524288 \
   --output benchmarks/results/generate_hf_w1.json
 step generate_hf_w2 540 $tr --nproc-per-node=2 $hf --fill-context 131072 524288 1048576 \

@@ -357,10 +357,12 @@ def generate_table(w1: dict, w2: dict | None = None, p1: dict | None = None, p2:
         "filled with random K/V:\n\n"))
     if hf1 or hf2:
         text += "\n\n" + section(hf1, hf2, hp1, hp2, lambda run: (
-            f"The same through transformers' own `generate()` (`--backend transformers --compile`: the unmodified "
-            f"transformers model, `attn_implementation=\"cp_attention\"`, a preallocated `CPCache`, transformers' "
-            f"compiled generation), {run.get('model', '?')} shapes, B = {run.get('batch', '?')}; every rank's "
-            "tokens are checked to be identical:\n\n"))
+            f"The same through transformers' own `generate()` (`--backend transformers --compile"
+            f"{' --decode-ahead' if run.get('decode_ahead') else ''}`: the unmodified transformers model, "
+            f"`attn_implementation=\"cp_attention\"`, a preallocated `CPCache`, transformers' compiled generation"
+            f"{', `custom_generate=cp_attention.hf.decode_ahead`' if run.get('decode_ahead') else ''}), "
+            f"{run.get('model', '?')} shapes, B = {run.get('batch', '?')}; every rank's tokens are checked to be "
+            "identical:\n\n"))
     return text
 
 

@@ -25,11 +25,12 @@ runs the unmodified transformers model instead (``AutoModelForCausalLM.from_pret
 attn_implementation="cp_attention")``: any architecture :mod:`cp_attention.hf` supports; ``--random-config``
 builds the transformers Llama config of those shapes with the native backend's random weights) through its
 own ``generate()`` with a :class:`cp_attention.hf.CPCache` preallocated for the run, the prompts left-padded
-into one batch; ``--compile`` lets transformers compile the decode step (``torch.compile``, CUDA graphs). Both
-backends give the same tokens on the same model. Rank 0 writes ``OUT.json``: ``{"tokens": [[new ids of
+into one batch; ``--compile`` lets transformers compile the decode step (``torch.compile``, CUDA graphs);
+``--decode-ahead`` runs it through ``custom_generate=cp_attention.hf.decode_ahead`` (the host one step ahead
+of the GPU). Both backends give the same tokens on the same model. Rank 0 writes ``OUT.json``: ``{"tokens": [[new ids of
 prompt 0], ...], "text": [...] (text prompts), "backend": ..., "prefill_s": ..., "decode_step_s": [...],
-"decode_tokens_per_s": ..., ...}``; the transformers backend times each step between two of ``generate()``'s
-streamer calls and leaves its first steps (kernel compilation; with ``--compile``, the graph's compilation
+"decode_tokens_per_s": ..., ...}``; the transformers backend times each step between two calls of a logits
+processor (the first waits for the prefill) and leaves its first steps (kernel compilation; with ``--compile``, the graph's compilation
 and capture) out of the rate, as ``decode_warmup_steps`` says.
 
 ``--fill-context T`` replaces the prompts' prefill by ``T`` positions of random K/V per sequence (each rank
@@ -121,6 +122,8 @@ def parse_args(argv=None):
                    help="native: launch/llama.py's model; transformers: the transformers model with CPCache")
     p.add_argument("--compile", action="store_true",
                    help="transformers backend: transformers' compiled generation (preallocated CPCache, CUDA graphs)")
+    p.add_argument("--decode-ahead", action="store_true",
+                   help="transformers backend: generate(custom_generate=cp_attention.hf.decode_ahead)")
     p.add_argument("--new-tokens", type=int, required=True, help="tokens generated per prompt (greedy)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on cuda, float32 on cpu")
@@ -148,8 +151,9 @@ def parse_args(argv=None):
         if args.prefill_runs != 1 or args.profile_steps:
             p.error("--prefill-runs and --profile-steps are the native backend's")
         args.cuda_graph = False
-    elif args.compile:
-        p.error("--compile is the transformers backend's (the native backend captures with --cuda-graph)")
+    elif args.compile or args.decode_ahead:
+        p.error("--compile and --decode-ahead are the transformers backend's (the native backend captures with "
+                "--cuda-graph)")
     if args.compile and args.device != "cuda":
         p.error("--compile needs --device cuda (transformers compiles generation on CUDA devices)")
     if args.cuda_graph is None:
@@ -505,24 +509,29 @@ def hf_model(args, margs, device):
 
 
 class _StepTimer:
-    """A ``generate()`` streamer that timestamps every step: ``put`` gets the prompt, then each step's new
-    tokens (after the device has made them)."""
+    """A logits processor that timestamps every step (``generate()`` calls it once per forward, after queuing
+    it; the first call waits for the prefill). ``start()`` stamps the time before ``generate()``."""
 
     def __init__(self, device):
         self.device, self.times = device, []
 
-    def put(self, value):
+    def start(self):
         sync(self.device)
         self.times.append(time.perf_counter())
 
-    def end(self):
-        pass
+    def __call__(self, input_ids, scores):
+        if len(self.times) == 1:
+            sync(self.device)
+        self.times.append(time.perf_counter())
+        return scores
 
 
 def run_transformers(args, model, prompts, device, fill_context=None) -> dict:
     """``generate()`` of the left-padded prompts (or of ``fill_context`` random positions) with a CPCache; the
     result dict of :func:`run`."""
-    from cp_attention.hf import CPCache
+    import transformers
+
+    from cp_attention.hf import CPCache, decode_ahead
 
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = model.config.get_text_config()
@@ -534,7 +543,8 @@ def run_transformers(args, model, prompts, device, fill_context=None) -> dict:
     result = {"world_size": world, "device": device.type, "dtype": str(args.dtype).replace("torch.", ""),
               "model": args.random_config or str(args.model), "batch": b,
               "prompt_lens": [len(p) for p in prompts], "new_tokens": args.new_tokens,
-              "backend": "transformers", "compile": args.compile, "cuda_graph": args.compile}
+              "backend": "transformers", "compile": args.compile, "cuda_graph": args.compile,
+              "decode_ahead": args.decode_ahead}
     if fill_context is None:
         ids = torch.full((b, context), pad, dtype=torch.int64)
         mask = torch.zeros(b, context, dtype=torch.int64)
@@ -561,11 +571,14 @@ def run_transformers(args, model, prompts, device, fill_context=None) -> dict:
     timer = _StepTimer(device)
     model.generation_config.eos_token_id = None  # no stop token: N new tokens each
     dist.barrier()
+    timer.start()
     # newer transformers name the argument cache (past_key_values is deprecated there)
     takes_cache = "cache" in inspect.signature(model.forward).parameters
     out = model.generate(ids.to(device), attention_mask=mask.to(device), **{"cache" if takes_cache else
                                                                             "past_key_values": cache},
-                         max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=pad, streamer=timer,
+                         max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=pad,
+                         logits_processor=transformers.LogitsProcessorList([timer]),
+                         custom_generate=decode_ahead if args.decode_ahead else None,
                          return_dict_in_generate=True, output_logits=args.logits, disable_compile=not args.compile)
     tokens = out.sequences[:, ids.shape[1]:]
     check_ranks_agree(tokens)

@@ -371,19 +371,20 @@ def test_transformers_backend_fill_context_equals_native(tmp_path):
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps([[1], [5, 6]]))
     outs = []
-    for backend in ("native", "transformers"):
+    for backend in ("native", "transformers", "transformers --decode-ahead"):
         proc, out = run_generate(tmp_path, ["--random-config", "tiny", "--prompts", prompts, "--fill-context", 37,
-                                            "--backend", backend], world=2)
+                                            "--backend", *backend.split()], world=2)
         assert proc.returncode == 0, proc.stderr[-5000:]
         assert out["synthetic_context"] == 37 and out["decode_tokens_per_s"] > 0
         assert len(out["decode_step_s"]) == NEW_TOKENS
+        assert out.get("decode_ahead", False) == backend.endswith("ahead")
         outs.append(out)
-    assert outs[0]["tokens"] == outs[1]["tokens"]
+    assert outs[0]["tokens"] == outs[1]["tokens"] == outs[2]["tokens"]
 
 
 @pytest.mark.parametrize("args, message", [
     (["--random-config", "tiny", "--prompt", "t1 t2"], "text prompts (--prompt) need --model DIR with a tokenizer"),
-    (["--random-config", "tiny", "--prompt", "t1", "--compile"], "--compile is the transformers backend's"),
+    (["--random-config", "tiny", "--prompt", "t1", "--compile"], "--compile and --decode-ahead are the transformers"),
 ])
 def test_bad_text_or_backend_arguments_fail_clearly(tmp_path, args, message):
     proc, out = run_generate(tmp_path, args, world=1)
