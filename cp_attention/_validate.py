@@ -91,12 +91,16 @@ def check_index_tensor(name: str, t, length: int, device, *, lo: int, hi: int, h
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
-def finite_float32(x) -> bool:
-    """A real number that float32 holds as a finite value."""
+def finite_float32(x, bound: float = FLOAT32_MAX) -> bool:
+    """A real number that float32 holds as a finite value (``abs(x) <= bound``, ``FLOAT32_MAX`` unless given)."""
     try:
-        return math.isfinite(float(x)) and abs(float(x)) <= FLOAT32_MAX
+        return math.isfinite(float(x)) and abs(float(x)) <= bound
     except OverflowError:  # an int beyond any float
         return False
+
+
+# The kernels take the softcap times log2(e) as a float32 scalar.
+SOFTCAP_MAX = FLOAT32_MAX / LOG2E
 
 
 def check_sm_scale(sm_scale) -> None:
@@ -167,8 +171,8 @@ def check_kv_scales(k_scale, v_scale, kv_dtype, q_dtype, hkv: int, device) -> in
             check_scale_values(name, sc)
             kinds.add(2)
         elif isinstance(sc, numbers.Real) and not isinstance(sc, bool):
-            if not (math.isfinite(sc) and sc > 0):
-                raise ValueError(f"{name} must be a positive finite number, got {sc!r}")
+            if not (finite_float32(sc) and sc > 0):
+                raise ValueError(f"{name} must be a positive number finite in float32, got {sc!r}")
             kinds.add(1)
         else:
             raise TypeError(f"{name} must be a float, a 0-d or an [Hkv] float32 tensor, got {type(sc).__name__}")
@@ -207,15 +211,16 @@ def scale_values_checked(sc: torch.Tensor) -> bool:
 
 
 def check_variants(window_left, logit_softcap, sinks, hq: int, device) -> None:
-    """A sliding window (int >= 0), a logit softcap (finite float > 0) and attention sinks (``[Hq]`` float32
-    on ``device``), each optional."""
+    """A sliding window (int >= 0), a logit softcap (a float > 0 whose product with log2(e), the kernels' scalar,
+    is finite in float32) and attention sinks (``[Hq]`` float32 on ``device``), each optional."""
     if window_left is not None:
         check_int("window_left", window_left, 0)
     if logit_softcap is not None:
         if not isinstance(logit_softcap, numbers.Real) or isinstance(logit_softcap, bool):
             raise TypeError(f"logit_softcap must be a float > 0 or None, got {logit_softcap!r}")
-        if not (math.isfinite(logit_softcap) and logit_softcap > 0):
-            raise ValueError(f"logit_softcap must be a finite float > 0, got {logit_softcap!r}")
+        if not (finite_float32(logit_softcap, SOFTCAP_MAX) and logit_softcap > 0):
+            raise ValueError(f"logit_softcap must be a float in (0, {SOFTCAP_MAX:.4g}] (times log2(e), finite in "
+                             f"float32), got {logit_softcap!r}")
     if sinks is not None:
         check_tensor("sinks", sinks, dtypes=(torch.float32,), ndim=1, device=device)
         if sinks.shape[0] != hq:
@@ -465,18 +470,18 @@ def kernel_scalars(default_scale: float, sm_scale, logit_softcap, k_scale, v_sca
     if sm_scale is None:
         scale = default_scale
     else:
-        if sm_scale.__class__ is not float or not math.isfinite(sm_scale):
+        if sm_scale.__class__ is not float or not -FLOAT32_MAX <= sm_scale <= FLOAT32_MAX:
             check_sm_scale(sm_scale)
         scale = float(sm_scale)
     if logit_softcap is None:
         cap = 1.0
     else:
-        if not (logit_softcap > 0 and math.isfinite(logit_softcap)):
+        if not 0 < logit_softcap <= SOFTCAP_MAX:
             check_variants(None, logit_softcap, None, 1, None)
         cap = float(logit_softcap) * LOG2E
     if k_scale is None or isinstance(k_scale, torch.Tensor):
         return scale, 1.0, 1.0, cap
-    if not (k_scale > 0 and v_scale > 0 and math.isfinite(k_scale) and math.isfinite(v_scale)):
+    if not (0 < k_scale <= FLOAT32_MAX and 0 < v_scale <= FLOAT32_MAX):
         check_kv_scales(k_scale, v_scale, torch.float8_e4m3fn, torch.bfloat16, 1, None)
     return scale, float(k_scale), float(v_scale), cap
 

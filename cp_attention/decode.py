@@ -196,15 +196,15 @@ def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num
             or ``[Hkv]`` float32 tensors (per KV head). The key used is ``k.float() * k_scale``, the value
             ``v.float() * v_scale``; the kernel dequantises in registers (``k_scale`` folds into the score
             scale and ``v_scale`` into the output). :func:`cp_attention.quantize_kv` makes such caches.
-            Scales must be finite and > 0 (``ValueError`` otherwise): floats and CPU tensors are checked at
+            Scales must be finite in float32 and > 0 (``ValueError`` otherwise): floats and CPU tensors are checked at
             every call; a CUDA tensor at its first use and after each in-place update (reading it is a host
             sync), not inside CUDA-graph capture or a torch.compile trace, where a replay reads the values
             the tensor holds then.
         window_left: ``W`` (int >= 0): the query at position ``p`` sees only the keys at ``[p - W, p]`` (a
             single-row query sits at ``seq_len - 1``, row ``i`` of ``Q`` at ``seq_len - Q + i``). Only the
             splits and tiles the window reaches are read. ``None``: no window.
-        logit_softcap: ``c`` (float > 0): scores are ``c * tanh(sm_scale * q.k / c)`` (Gemma 2). ``None``:
-            plain scores.
+        logit_softcap: ``c`` (float > 0, ``c * log2(e)`` finite in float32): scores are
+            ``c * tanh(sm_scale * q.k / c)`` (Gemma 2). ``None``: plain scores.
         sinks: ``[Hq]`` float32: one extra logit per query head in the softmax denominator, with no value
             (gpt-oss): ``o = sum_j e^{s_j} v_j / (e^{sink} + sum_j e^{s_j})``; the returned lse includes it,
             and a row that sees no key gets ``o = 0``, ``lse = sink``.

@@ -136,7 +136,10 @@ def test_a_prepared_key_does_not_skip_the_checks(cuda_path):
         ({"window_left": True}, TypeError, "window_left"),
         ({"logit_softcap": -1.0}, ValueError, "logit_softcap"),
         ({"logit_softcap": True}, TypeError, "logit_softcap"),
+        ({"logit_softcap": 1e300}, ValueError, "logit_softcap"),  # finite as a float, not in float32
+        ({"logit_softcap": 3e38}, ValueError, "logit_softcap"),  # times log2(e), beyond float32
         ({"sm_scale": float("nan")}, TypeError, "sm_scale"),
+        ({"sm_scale": 1e39}, TypeError, "sm_scale"),
         ({"sm_scale": "0.1"}, TypeError, "sm_scale"),
         ({"return_lse": 1}, TypeError, "return_lse"),
         ({"out": torch.empty_like(q)[:1]}, ValueError, "out"),
@@ -160,7 +163,7 @@ def test_fp8_float_scales_are_checked_at_every_call(cuda_path):
     flash_decode(q, k8, v8, sl, k_scale=0.5, v_scale=2.0)
     flash_decode(q, k8, v8, sl, k_scale=0.25, v_scale=4.0)
     assert (arg(cuda_path[-1][1], "k_scale"), arg(cuda_path[-1][1], "v_scale")) == (0.25, 4.0)
-    for ks, exc in ((-1.0, ValueError), (float("inf"), ValueError), (True, TypeError)):
+    for ks, exc in ((-1.0, ValueError), (float("inf"), ValueError), (1e39, ValueError), (True, TypeError)):
         with pytest.raises(exc, match=r"^k_scale\b"):
             flash_decode(q, k8, v8, sl, k_scale=ks, v_scale=4.0)
     with pytest.raises(ValueError, match=r"^k_scale\b"):
@@ -288,7 +291,9 @@ def test_cascade_prepared_key_does_not_skip_the_checks(kernel_log):
     cascade_decode(q, levels, sm_scale=0.1, logit_softcap=5.0)
     n = len(kernel_log["_prefix_kernel"])
     for kwargs, exc, name in (({"sm_scale": float("nan")}, TypeError, "sm_scale"),
+                              ({"sm_scale": 1e39}, TypeError, "sm_scale"),
                               ({"logit_softcap": -1.0}, ValueError, "logit_softcap"),
+                              ({"logit_softcap": 1e300}, ValueError, "logit_softcap"),
                               ({"return_lse": 1}, TypeError, "return_lse")):
         with pytest.raises(exc, match=rf"^{name}\b"):
             cascade_decode(q, levels, **{"sm_scale": 0.1, "logit_softcap": 5.0, **kwargs})

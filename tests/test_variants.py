@@ -185,11 +185,19 @@ def _bad():
         ("window-bool", lambda: flash_decode(q, k, v, sl, window_left=True), TypeError, "window_left"),
         ("softcap-zero", lambda: flash_decode(q, k, v, sl, logit_softcap=0.0), ValueError, "logit_softcap"),
         ("softcap-str", lambda: flash_decode(q, k, v, sl, logit_softcap="30"), TypeError, "logit_softcap"),
+        ("softcap-beyond-float32", lambda: flash_decode(q, k, v, sl, logit_softcap=1e300), ValueError,
+         "logit_softcap"),
+        ("softcap-log2e-beyond-float32", lambda: flash_decode(q, k, v, sl, logit_softcap=3e38), ValueError,
+         "logit_softcap"),
+        ("softcap-int-beyond-float", lambda: flash_decode(q, k, v, sl, logit_softcap=10**400), ValueError,
+         "logit_softcap"),
         ("sinks-length", lambda: flash_decode(q, k, v, sl, sinks=torch.zeros(7, device=DEVICE)), ValueError, "sinks"),
         ("sinks-dtype", lambda: flash_decode(q, k, v, sl, sinks=torch.zeros(8, dtype=torch.float64, device=DEVICE)),
          TypeError, "sinks"),
         ("cascade-softcap", lambda: cascade_decode(q, [CascadeLevel(k, v, sl)], logit_softcap=-2.0), ValueError,
          "logit_softcap"),
+        ("cascade-softcap-beyond-float32", lambda: cascade_decode(q, [CascadeLevel(k, v, sl)], logit_softcap=1e300),
+         ValueError, "logit_softcap"),
     ]
 
 
