@@ -117,6 +117,14 @@ def check_bool(name: str, value) -> None:
 INT32_MAX = 2**31 - 1
 
 
+def check_not_taken(fn: str, given, reasons: dict) -> None:
+    """None of the arguments named in ``reasons`` (name -> why ``fn`` sets it itself) is in ``given`` (the
+    caller's keyword arguments)."""
+    for name, why in reasons.items():
+        if name in given:
+            raise TypeError(f"{fn} takes no {name} ({why})")
+
+
 def check_int(name: str, value, lo: int, hi: int | None = None) -> int:
     """A Python int (not a bool) in ``[lo, hi]``."""
     if not isinstance(value, numbers.Integral) or isinstance(value, bool):

@@ -468,6 +468,11 @@ def case_one_rank_rejects(rank, world, *, what):
             CPKVCache(0 if odd else 2, 2, 32, 64)
         elif what == "cache-window":
             CPKVCache.from_prefix(k, k, lens, 64).decode(q, window_left=-1 if odd else 8)
+        elif what == "cache-row-limits":
+            limits = torch.zeros(2, 1, 2, dtype=torch.int32)
+            CPKVCache.from_prefix(k, k, lens, 64).decode(q, **({"row_limits": limits} if odd else {}))
+        elif what == "row-limits":
+            cp_flash_decode(q, k, k, lens, **({"row_limits": torch.zeros(2, 1, 2, dtype=torch.int32)} if odd else {}))
         elif what == "cascade-rows":
             level = CascadeLevel(k, k, lens)
             cp_cascade_decode(q[:, None].expand(-1, 2, -1, -1) if odd else q, [level])
@@ -701,7 +706,8 @@ def test_mismatch_raises_on_every_rank(pool, world, what):
 
 @pytest.mark.parametrize("what, name", [("window", "window_left"), ("q-4d", "q must have 3 dims"),
                                         ("check-metadata-type", "check_metadata"), ("cache-batch", "batch"),
-                                        ("cache-window", "window_left"), ("cascade-rows", "one row per request"),
+                                        ("cache-window", "window_left"), ("cache-row-limits", "takes no row_limits"),
+                                        ("row-limits", "takes no row_limits"), ("cascade-rows", "one row per request"),
                                         ("merge-shape", "state.o.shape")])
 def test_one_rank_rejecting_raises_on_every_rank(pool, what, name):
     messages = pool(2).run(case_one_rank_rejects, what=what)
@@ -839,8 +845,13 @@ def _cache1():
     (lambda: cp_flash_decode(torch.ones(1, 8, 32), torch.ones(1, 2, 4, 32), torch.ones(1, 2, 4, 32), None,
                              return_lse=1), TypeError, "return_lse"),
     (lambda: CPKVCache(1, 1, 32, 10), ValueError, "pass rank and world_size, or initialise a process group"),
+    (lambda: _cache1().decode(torch.ones(1, 8, 32), row_limits=torch.zeros(1, 1, 2, dtype=torch.int32)), TypeError,
+     "CPKVCache.decode takes no row_limits .the cache derives"),
+    (lambda: cp_flash_decode(torch.ones(1, 8, 32), torch.ones(1, 2, 4, 32), torch.ones(1, 2, 4, 32), None,
+                             row_limits=torch.zeros(1, 1, 2, dtype=torch.int32)), TypeError,
+     "cp_flash_decode takes no row_limits .a rank's limits would be positions in its shard"),
 ], ids=["batch-0", "rank", "dtype", "append-shape", "append-dtype", "append-v-shape", "set-lengths-range",
-        "prefix-too-long", "return-lse", "no-group"])
+        "prefix-too-long", "return-lse", "no-group", "cache-row-limits", "cp-row-limits"])
 def test_cache_and_cp_decode_reject_bad_input(call, exc, match):
     with pytest.raises(exc, match=match):
         call()

@@ -9,8 +9,8 @@ import torch.distributed as dist
 from .. import _device, _library
 from .._constants import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES
 from ..decode import flash_decode
-from .._validate import (check_bool, check_device, check_head_dim, check_inference, check_int, check_kv_scales, check_tensor,
-                         check_unit_stride)
+from .._validate import (check_bool, check_device, check_head_dim, check_inference, check_int, check_kv_scales,
+                         check_not_taken, check_tensor, check_unit_stride)
 from .agree import check_ranks
 from .decode import cp_decode
 from .shard import interleaved_counts, shard_kv
@@ -277,7 +277,8 @@ class CPKVCache:
     def decode(self, q, **kwargs):
         """Attention of ``q [B, Hq, D]``, or ``q [B, Q, Hq, D]`` with the causal rule in global positions,
         over the cache, merged across the ranks (all ranks call it); ``kwargs`` as in
-        :func:`cp_flash_decode`, plus ``window_left`` (in global positions, as in :func:`flash_decode`)."""
+        :func:`cp_flash_decode`, plus ``window_left`` (in global positions, as in :func:`flash_decode`); not
+        ``row_limits``, ``block_table``, ``kv_layout``, ``k_scale``, ``v_scale``, which the cache sets itself."""
         check_metadata = kwargs.pop("check_metadata", True)
         window = kwargs.pop("window_left", None)
 
@@ -285,9 +286,7 @@ class CPKVCache:
 
         def pre():
             check_inference("CPKVCache.decode", ("q", *given), q, *given.values())
-            for own in ("block_table", "kv_layout", "k_scale", "v_scale"):
-                if own in given:
-                    raise TypeError(f"CPKVCache.decode takes no {own} (the cache has its own)")
+            check_not_taken("CPKVCache.decode", given, CACHE_OWN)
             if window is not None:
                 check_int("window_left", window, 0)
 
@@ -337,6 +336,12 @@ class CPKVCache:
     @property
     def _head_dim(self) -> int:
         return self._k.shape[3]
+
+
+# What CPKVCache.decode sets itself, and why a caller cannot pass it.
+CACHE_OWN = {**{name: "the cache has its own" for name in ("block_table", "kv_layout", "k_scale", "v_scale")},
+             "row_limits": "the cache derives every row's limits on this rank from its global lengths: the causal "
+                           "rule of several query rows and window_left"}
 
 
 def _raiser(exc: Exception):

@@ -40,7 +40,8 @@ import torch.distributed as dist
 
 from .. import _device, _library
 from .._constants import FLOAT_DTYPES
-from .._validate import check_bool, check_cascade_args, check_decode_args, check_inference, check_state, check_tensor
+from .._validate import (check_bool, check_cascade_args, check_decode_args, check_inference, check_not_taken,
+                         check_state, check_tensor)
 from ..cascade import cascade_decode
 from ..decode import flash_decode, merge_packed_torch
 from ..ops.split_kv import combine_exported
@@ -187,8 +188,7 @@ def cp_decode(q, k_shard, v_shard, seq_lens_shard, *, group, check_metadata, row
         if pre is not None:
             pre()
         check_bool("check_metadata", check_metadata)
-        if "out" in kwargs:
-            raise TypeError(f"{what} does not take out (the local state goes into the exchange buffer)")
+        check_not_taken(what, kwargs, {"out": "the local state goes into the exchange buffer"})
 
     if torch.compiler.is_compiling():  # Dynamo traces: the op (Note [Custom ops under torch.compile], _library.py)
         checks()
@@ -257,8 +257,8 @@ def cp_flash_decode(q, k_shard, v_shard, seq_lens_shard, *, group=None, check_me
     unsharded cache (see Note [Context-parallel decode]). Every rank of ``group`` calls it.
 
     Args:
-        q: ``[B, Hq, D]`` float16, bfloat16 or float32; the same query on every rank. (Several query rows and
-            sliding windows need global positions: use :meth:`CPKVCache.decode`.)
+        q: ``[B, Hq, D]`` float16, bfloat16 or float32; the same query on every rank. (Several query rows,
+            sliding windows and row limits need global positions: use :meth:`CPKVCache.decode`.)
         k_shard, v_shard: this rank's shard, ``[B, Hkv, C, D]`` (HND; ``kv_layout="NHD"`` for
             ``[B, C, Hkv, D]``), or this rank's page pools with ``block_table=``, q's dtype (or FP8) and
             device. ``C`` may differ across ranks.
@@ -307,6 +307,9 @@ def cp_flash_decode(q, k_shard, v_shard, seq_lens_shard, *, group=None, check_me
         if flash_decode_kwargs.get("window_left") is not None:
             raise TypeError("window_left needs global positions, which cp_flash_decode does not have: use "
                             "CPKVCache.decode")
+        check_not_taken("cp_flash_decode", flash_decode_kwargs,
+                        {"row_limits": "a rank's limits would be positions in its shard, not in the cache: "
+                                       "CPKVCache.decode derives them from the global lengths"})
 
     return cp_decode(q, k_shard, v_shard, seq_lens_shard, group=group, check_metadata=check_metadata,
                      row_limits=None, span=None, kwargs=flash_decode_kwargs, pre=pre)
