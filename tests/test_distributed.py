@@ -431,6 +431,28 @@ def case_mismatch(rank, world, *, what):
     return str(info.value)
 
 
+def _grouped_levels(ids):
+    """A level of two group segments that requests read by ``ids``, then one segment a request."""
+    from cp_attention import CascadeLevel
+
+    g = torch.Generator().manual_seed(13)
+    q = torch.randn(3, 8, 32, generator=g)
+    gk, gv = torch.randn(2, 2, 24, 32, generator=g), torch.randn(2, 2, 24, 32, generator=g)
+    ok, ov = torch.randn(3, 2, 10, 32, generator=g), torch.randn(3, 2, 10, 32, generator=g)
+    return q, [CascadeLevel(gk, gv, segment_ids=ids), CascadeLevel(ok, ov)]
+
+
+def case_cascade_mismatch(rank, world):
+    """cp_cascade_decode whose segment_ids differ across ranks (by value, the same shape): every rank raises
+    ValueError, and the group still works afterwards."""
+    q, levels = _grouped_levels(torch.tensor([0, 1, 1] if rank == 1 else [0, 1, 0]))
+    with pytest.raises(ValueError) as info:
+        cp_cascade_decode(q, levels)
+    o = cp_flash_decode(torch.ones(2, 8, 32), torch.ones(2, 2, 8, 32), torch.ones(2, 2, 8, 32), torch.tensor([5, 3]))
+    torch.testing.assert_close(o, torch.ones_like(o))  # the group is still in step
+    return str(info.value)
+
+
 def case_cache_mismatch(rank, world, *, what):
     """A CPKVCache whose rank or world size is not the group's, or a window that differs, raises on every rank."""
     k = torch.randn(2, 2, 40, 32)
@@ -486,7 +508,7 @@ def case_one_rank_rejects(rank, world, *, what):
 
 def case_equal_values_agree(rank, world):
     """Equal values in different forms agree across ranks: a softcap 30 and 30.0, an FP8 scale tensor(0.5) and
-    0.5."""
+    0.5, segment_ids in int64 and int32."""
     from cp_attention import quantize_kv
 
     q, k = torch.randn(2, 8, 32), torch.randn(2, 2, 40, 32)
@@ -495,7 +517,9 @@ def case_equal_values_agree(rank, world):
     k8, v8, _, _ = quantize_kv(k, k)
     scale = torch.tensor(0.5) if rank else 0.5
     b = cp_flash_decode(q.bfloat16(), k8, v8, lens, k_scale=scale, v_scale=scale)
-    return a, b
+    ids = torch.tensor([0, 1, 0])
+    c = cp_cascade_decode(*_grouped_levels(ids.int() if rank else ids))
+    return a, b, c
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -716,8 +740,17 @@ def test_one_rank_rejecting_raises_on_every_rank(pool, what, name):
 
 
 def test_equal_values_in_other_forms_agree(pool):
-    (a0, b0), (a1, b1) = pool(2).run(case_equal_values_agree)
-    assert torch.equal(a0, a1) and torch.equal(b0, b1)
+    (a0, b0, c0), (a1, b1, c1) = pool(2).run(case_equal_values_agree)
+    assert torch.equal(a0, a1) and torch.equal(b0, b1) and torch.equal(c0, c1)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_cascade_segment_ids_mismatch_raises_on_every_rank(pool, world):
+    """Note [Agreement across ranks]: segment_ids that differ on one rank would merge the states of other
+    segments there (every rank returning the same wrong answer); they raise on every rank, naming them."""
+    messages = pool(world).run(case_cascade_mismatch)
+    assert all(m.startswith("segment_ids must be equal on every rank") for m in messages), messages
+    assert len(set(messages)) == 1 and "rank(s) [1]" in messages[0], messages
 
 
 @pytest.mark.parametrize("what, name", [("world-size", "world_size"), ("rank", "rank"), ("window", "window_left"),

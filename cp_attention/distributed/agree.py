@@ -5,7 +5,8 @@ Note [Agreement across ranks]
 Every rank of a context-parallel call merges the same states in the same order, so the arguments that shape
 the states or the merge must be the same on every rank: q's shape and dtype, the KV heads, ``sm_scale``,
 ``split_size`` (and the shards' split slots), ``window_left``, ``logit_softcap``, ``sinks`` (by value),
-``k_scale``/``v_scale`` (by value), for a cascade the levels' kinds, and for a ``CPKVCache`` the global
+``k_scale``/``v_scale`` (by value), for a cascade the levels' kinds and ``segment_ids`` (by value: a rank
+whose requests read other segments would merge the states of other keys), and for a ``CPKVCache`` the global
 lengths of its sequences (by value: every rank must have appended and rolled back the same tokens). A rank
 whose arguments differ would not hang: it would merge states of another attention and return a wrong
 answer, on some ranks only. The values of ``q`` are not compared (a digest would read ``q`` on the host at
@@ -38,7 +39,8 @@ from .exchange import all_gather_single
 _DTYPE_CODES = {dtype: i + 1 for i, dtype in enumerate(FLOAT_DTYPES + FP8_DTYPES)}
 # The words every rank contributes, in order (after the ok flag).
 FIELDS = ("q.shape[0]", "q rows", "q heads", "head dim", "q.dtype", "KV heads", "sm_scale", "split_size",
-          "split slots", "window_left", "logit_softcap", "k_scale", "v_scale", "sinks", "levels", "cache lengths")
+          "split slots", "window_left", "logit_softcap", "k_scale", "v_scale", "sinks", "levels", "segment_ids",
+          "cache lengths")
 
 
 def _bits(x: float) -> int:
@@ -131,7 +133,7 @@ def decode_meta(q, k_shard, v_shard, seq_lens_shard, kwargs, row_limits, window_
     words = [q.shape[0], geo.q_rows, q.shape[-2], d, _DTYPE_CODES[q.dtype], geo.hkv,
              _bits(1.0 / math.sqrt(d) if sm_scale is None else sm_scale), value_word(split_size),
              split_slots(split_size, geo.t_max), value_word(window_left), real_word(kwargs.get("logit_softcap")),
-             real_word(kwargs.get("k_scale")), real_word(kwargs.get("v_scale")), real_word(kwargs.get("sinks")), 0,
+             real_word(kwargs.get("k_scale")), real_word(kwargs.get("v_scale")), real_word(kwargs.get("sinks")), 0, 0,
              value_word(global_lens)]
     return words, geo
 
@@ -145,7 +147,18 @@ def cascade_meta(q, checked, kwargs) -> list:
             checked[0].lvl.k.shape[2 if checked[0].lvl.block_table is not None else 1],
             _bits(1.0 / math.sqrt(d) if sm_scale is None else sm_scale), 0, 0, 0,
             real_word(kwargs.get("logit_softcap")), real_word(kwargs.get("k_scale")),
-            real_word(kwargs.get("v_scale")), real_word(kwargs.get("sinks")), struct.unpack("<q", kinds)[0], 0]
+            real_word(kwargs.get("v_scale")), real_word(kwargs.get("sinks")), struct.unpack("<q", kinds)[0],
+            segments_word(checked), 0]
+
+
+def segments_word(checked) -> int:
+    """The word of a cascade's ``segment_ids``: a digest of every level's, ``None`` or its values (as int64, so
+    equal ids in int32 and int64 agree; a CUDA tensor is read on the host, as ``sinks`` are)."""
+    h = hashlib.blake2b(digest_size=8)
+    for lv in checked:
+        ids = lv.lvl.segment_ids
+        h.update(b"none" if ids is None else struct.pack("<q", _digest(ids.long())))
+    return struct.unpack("<q", h.digest())[0]
 
 
 STATE_FIELDS = ("state.o.shape", "state.o.dtype")
