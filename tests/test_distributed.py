@@ -8,7 +8,9 @@ Cases marked ``interp`` run the Triton kernels under the interpreter; the others
 import datetime
 import os
 import queue
+import re
 import traceback
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -19,6 +21,7 @@ import torch.multiprocessing as mp
 from cp_attention import AttentionState, flash_decode, merge_states
 from cp_attention.distributed import (CPKVCache, all_gather_states, cp_cascade_decode, cp_flash_decode,
                                      merge_across_ranks, shard_kv)
+from cp_attention.distributed.agree import FIELDS
 from cp_attention.reference import attention
 from cp_attention.state import AttentionState
 
@@ -758,6 +761,22 @@ def test_cascade_segment_ids_mismatch_raises_on_every_rank(pool, world):
 def test_cache_mismatch_raises_on_every_rank(pool, what, name):
     messages = pool(2).run(case_cache_mismatch, what=what)
     assert all(m.startswith(name) for m in messages), messages
+
+
+DISTRIBUTED_DOC = Path(__file__).resolve().parent.parent / "docs" / "distributed.md"
+AGREED_ARGUMENTS = [name for name in FIELDS if re.fullmatch(r"[a-z]+_[a-z_]+|sinks", name)]
+
+
+def test_distributed_doc_says_what_the_agreement_checks():
+    """docs/distributed.md names every argument the agreement check compares (Note [Agreement across ranks])
+    in its list of what is checked, and says of none of them (nor of the FP8 scales) that it may differ across
+    ranks."""
+    text = " ".join(DISTRIBUTED_DOC.read_text().split())
+    checked = text[text.index("## What is checked across ranks"):text.index("Not compared:")]
+    assert set(AGREED_ARGUMENTS) >= {"sm_scale", "logit_softcap", "k_scale", "v_scale", "sinks", "segment_ids"}
+    assert [name for name in AGREED_ARGUMENTS if f"`{name}`" not in checked] == []
+    for clause in re.findall(r"[^.;()]*\bmay differ\b[^.;()]*", text):
+        assert not re.search(r"scale|sinks|softcap|segment|window|split", clause), clause
 
 
 # ----------------------------------------------------------------------------------------------------
