@@ -223,7 +223,6 @@ def merge(a: AttentionState, b: AttentionState) -> AttentionState:
     tensor([0.6931])
     """
     check_inference("merge", ("a", "b"), a, b)
-    check_inference("merge", ("a", "b"), a, b)
     check_state("a", a)
     check_state("b", b)
     if a[0].shape != b[0].shape:
