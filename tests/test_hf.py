@@ -26,6 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "_hf_worker.py"
 TIMEOUT_S = 300
 LOGIT_TOL = dict(atol=2e-4, rtol=1e-5)  # float32 logits of magnitude ~10-30, summed in another order
+# Beam search on gpt-oss (sinks, window 5, weights of 0.5): each layer's float32 attention output lies up to
+# ~2e-3 from the float64 model's, for eager's attention and this one alike, and the logits follow (up to
+# ~5e-4 at the sixth step); a key set attended wrongly moves them by units.
+MODE_TOL = dict(atol=1e-3, rtol=1e-5)
 # FP8 shards: e4m3 keeps 3 mantissa bits (e5m2 2), a relative error up to 2^-4 (2^-3) per element; the
 # logits then move by a few percent of their range.
 FP8_TOL = {"float8_e4m3fn": 0.05, "float8_e5m2": 0.1}
@@ -122,7 +126,7 @@ def test_generation_modes_match_eager(refs, monkeypatch, arch, mode, row, cache_
     ref_tokens, ref_logits, _, ref_len = refs(arch, mode=mode, row=row)
     tokens, logits, cache = _cp_generate(arch, mode=mode, row=row, **cache_kwargs)
     assert torch.equal(tokens, ref_tokens)
-    torch.testing.assert_close(logits, ref_logits, **LOGIT_TOL)
+    torch.testing.assert_close(logits, ref_logits, **MODE_TOL)
     assert int(cache.get_seq_length()) == ref_len
     if mode == "beam2":  # some step picked the rows in another order
         assert any(n == "reorder_cache" and not torch.equal(a.cpu(), torch.arange(len(a))) for n, a in calls)
