@@ -63,6 +63,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import numbers
+import zlib
 import threading
 
 import torch
@@ -213,6 +214,8 @@ class _Shared:
         self.step = 0  # tokens of the current forward
         self.host_start = 0  # global length before the current forward, when known on the host (else None)
         self.padded = False  # the last forward of several tokens had left padding
+        self.host_end = 0  # static layers: the global length after the last forward, where the host knows it
+        self.config, self.windows = None, ()  # the model's (text) config and its layers' windows
         self.memo = {}
 
     def allocate(self, batch, device) -> None:
@@ -228,14 +231,29 @@ class _Shared:
     def begin(self, key_states) -> None:
         """A forward of ``S = key_states.shape[2]`` new tokens starts (layer 0 updates)."""
         b, hkv, s, d = key_states.shape
+        if not _compiling():
+            impl = getattr(self.config, "_attn_implementation", None)
+            if impl not in (None, "cp_attention"):
+                raise ValueError(f"CPCache: the model attends with attn_implementation={impl!r}; a CPCache needs "
+                                 f"'cp_attention' (model.set_attn_implementation('cp_attention') after importing "
+                                 f"cp_attention.hf), whose attention reads the sharded cache")
+            if b != self.batch:
+                raise ValueError(f"CPCache: this cache holds {self.batch} rows (fixed at its first forward, and kept "
+                                 f"by reset()); a forward of {b} rows needs a new CPCache")
         if self.static:
-            if s > 1 and not _compiling():  # a prefill: eager, its host sync is cheap next to it
-                start = int(self.end)
-                if start + s > self.max_cache_len:
-                    raise ValueError(f"CPCache: {start + s} tokens exceed max_cache_len = {self.max_cache_len}")
-                self.host_start = start
+            if not _compiling():
+                start = int(self.end) if s > 1 or self.host_end is None else self.host_end  # a prefill: eager, its
+                if start + s > self.max_cache_len:                      # host sync is cheap next to it
+                    raise ValueError(f"CPCache: {start + s} tokens exceed max_cache_len = {self.max_cache_len} (a "
+                                     f"forward of {s} after {start}); give the cache room for the prompt and every "
+                                     f"new token")
+                self.host_start = start if s > 1 else None
+                self.host_end = start + s
             else:
-                self.host_start = None
+                self.host_start = self.host_end = None
+                # a captured step cannot raise on the host: past max_cache_len it stops the device instead
+                torch._assert_async(self.end + s <= self.max_cache_len,
+                                    "CPCache: the tokens exceed max_cache_len")
             self.start.copy_(self.end)
             self.end.add_(s)
             self.seq_lens.copy_(_counts(self.end, self.rank, self.world).expand(b))
@@ -247,22 +265,41 @@ class _Shared:
         if not _compiling():
             self.memo = {}
             if s > 1 and self.world > 1:
-                self._agree(b, s, hkv, d, key_states.device)
+                self._agree(key_states)
 
-    def _agree(self, b, s, hkv, d, device) -> None:
-        """Every rank runs the same forward (batch, tokens, global length, KV heads, head dim): checked at each
-        forward of several tokens, so a mismatch raises on every rank instead of hanging."""
+    def _agree(self, key_states) -> None:
+        """Every rank runs the same forward: the batch, tokens, global length, KV heads and head dim, the cache's
+        dtype and the layers' windows exactly, and layer 0's new keys (which the prompt, its padding and the
+        weights set) by two sums within 1e-3 of the sum of their magnitudes. Checked at each forward of several
+        tokens (the prefill: eager, with a host read already), in one all-gather, so a mismatch raises on every
+        rank instead of hanging or giving tokens that differ between ranks."""
         from .distributed.exchange import all_gather_single
 
+        b, hkv, s, d = key_states.shape
         start = -1 if self.host_start is None else self.host_start
-        mine = torch.tensor([b, s, start, hkv, d], dtype=torch.int64, device=device)
-        everyone = torch.empty(self.world * 5, dtype=torch.int64, device=device)
+        dtypes = FLOAT_DTYPES + FP8_DTYPES
+        dtype = self.dtype or key_states.dtype
+        code = dtypes.index(dtype) if dtype in dtypes else -1
+        windows = zlib.crc32(repr(self.windows).encode())
+        k = key_states.detach().double()
+        weight = torch.arange(1, k.numel() + 1, device=k.device, dtype=torch.float64).view(k.shape) / k.numel()
+        sums = torch.stack([k.abs().sum(), (k * weight).sum(), k.sum()])
+        mine = torch.cat([torch.tensor([b, s, start, hkv, d, code, windows], dtype=torch.float64, device=k.device),
+                          sums])
+        everyone = torch.empty(self.world * mine.numel(), dtype=torch.float64, device=k.device)
         all_gather_single(everyone, mine, group=self.group)
-        rows = everyone.view(self.world, 5).tolist()
-        if any(row != rows[0] for row in rows):
+        rows = everyone.view(self.world, -1).tolist()
+        shapes = [[int(x) for x in row[:5]] for row in rows]
+        if any(row != shapes[0] for row in shapes):
             raise ValueError(f"CPCache: every rank must run the same forward; (batch, new tokens, cached length, KV "
-                             f"heads, head dim) per rank: {rows}")
-
+                             f"heads, head dim) per rank: {shapes}")
+        if any(row[5:7] != rows[0][5:7] for row in rows):
+            raise ValueError(f"CPCache: every rank must hold the same cache dtype and layer windows; per rank: "
+                             f"{[dtypes[int(r[5])] for r in rows]}, window digests {[int(r[6]) for r in rows]}")
+        tol = 1e-3 * max(r[7] for r in rows) + 1e-30
+        if any(abs(r[j] - rows[0][j]) > tol for r in rows for j in (8, 9)):
+            raise ValueError("CPCache: every rank must run the same forward with the same inputs and weights; layer "
+                             "0's new keys differ between ranks (other prompts, padding or weights)")
     def end_value(self):
         """The global length after this forward: a host int, or the device tensor (static layers)."""
         return self.end if self.static else self.length
@@ -406,7 +443,7 @@ class CPCacheLayer(CacheLayerMixin):
         s = key_states.shape[2]
         if not _compiling():
             stale = _ACTIVE.layer
-            if stale is not None and stale.shared is sh and self.layer_idx > 0:
+            if stale is not None and stale.shared is sh:
                 raise ValueError(f"cp_attention: cache layer {stale.layer_idx} was updated but its attention did not "
                                  f"run through attn_implementation='cp_attention' (a model whose attention does not "
                                  f"use transformers' AttentionInterface cannot attend a sharded cache)")
@@ -420,8 +457,10 @@ class CPCacheLayer(CacheLayerMixin):
         if sh.static:
             slot = sh.slots(s)
             if sh.page_size is None:
-                self._k.index_copy_(2, slot, k_new)
-                self._v.index_copy_(2, slot, v_new)
+                for dst, src in ((self._k, k_new), (self._v, v_new)):
+                    if dst.element_size() == 1:  # FP8: copied as bytes (the CPU has no FP8 index_copy)
+                        dst, src = dst.view(torch.uint8), src.view(torch.uint8)
+                    dst.index_copy_(2, slot, src)
             else:
                 self._store_pages(slot, k_new, v_new, scratch=True)
         else:
@@ -574,7 +613,7 @@ class CPCache(Cache):
     """
 
     def __init__(self, config, *, group=None, max_cache_len=None, page_size=None, dtype=None, device=None):
-        _, _, windows = _check_config(config)
+        text, _, windows = _check_config(config)
         for name, value in (("max_cache_len", max_cache_len), ("page_size", page_size)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
                 raise ValueError(f"CPCache: {name} must be a positive int or None, got {value!r}")
@@ -587,6 +626,7 @@ class CPCache(Cache):
             rank, world = 0, 1
         device = None if device is None else check_device("CPCache: device", device)
         self._shared = _Shared(rank, world, group if world > 1 else None, max_cache_len, page_size, dtype, device)
+        self._shared.config, self._shared.windows = text, windows
         super().__init__(layers=[CPCacheLayer(self._shared, i, w) for i, w in enumerate(windows)])
 
     @property
@@ -616,6 +656,7 @@ class CPCache(Cache):
                 raise ValueError(f"CPCache: length {length} exceeds max_cache_len = {sh.max_cache_len}")
             sh.end.fill_(length)
             sh.start.fill_(length)
+            sh.host_end = length
         else:
             sh.length = length
             for layer in self.layers:
@@ -627,6 +668,7 @@ class CPCache(Cache):
         if sh.static and sh.end is not None:
             sh.end.zero_()
             sh.start.zero_()
+        sh.host_end = 0
         sh.length, sh.padded, sh.memo = 0, False, {}
         if sh.seq_lens is not None:
             sh.seq_lens.zero_()
@@ -641,6 +683,7 @@ class CPCache(Cache):
             return
         if sh.static:
             sh.end.sub_(-tokens_to_remove).clamp_(min=0)
+            sh.host_end = None if sh.host_end is None else max(0, sh.host_end + tokens_to_remove)
             sh.start.copy_(sh.end)
             sh.seq_lens.copy_(_counts(sh.end, sh.rank, sh.world).expand(sh.batch))
         else:
@@ -670,14 +713,16 @@ def cp_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, 
     >>> cp_attention_mask(2, 3, 3, attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]).bool()).flatten()
     tensor([1, 0], dtype=torch.int32)
     """
-    if q_length > 1 and not _compiling() and _sees_later(mask_function, batch_size, q_length, kv_length, q_offset,
-                                                          kv_offset, getattr(attention_mask, "device", None)):
+    problem = None if q_length == 1 or _compiling() else _mask_problem(
+        mask_function, batch_size, q_length, kv_length, q_offset, kv_offset, getattr(attention_mask, "device", None),
+        getattr(kwargs.get("config"), "sliding_window", None))
+    if problem:
         # marked, not refused: transformers also asks for masks that no layer uses (a decoder's cross-attention
         # mask without encoder states); the attention function refuses a marked mask
         first = (torch.zeros(batch_size, dtype=torch.int32) if attention_mask is None else
                  attention_mask.shape[1] - attention_mask.bool().sum(dim=1, dtype=torch.int32))
         first = first.view(-1, 1, 1, 1)
-        first.cp_sees_later = True
+        first.cp_mask_problem = problem
         return first
     if attention_mask is None:
         return None
@@ -698,12 +743,15 @@ def cp_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, 
     return first.view(-1, 1, 1, 1)
 
 
-def _sees_later(mask_function, batch_size, q_length, kv_length, q_offset, kv_offset, device=None) -> bool:
-    """Whether transformers' ``mask_function(batch, head, q_idx, kv_idx)`` lets a query see a later position, on
-    up to 65 evenly spaced query rows of every sequence (index tensors on ``device``, the 2-D mask's, broadcast as
-    transformers evaluates its mask functions); False where it cannot be evaluated so."""
+def _mask_problem(mask_function, batch_size, q_length, kv_length, q_offset, kv_offset, device=None,
+                  sliding_window=None) -> str | None:
+    """What transformers' ``mask_function(batch, head, q_idx, kv_idx)`` asks that the causal rule (with the
+    config's ``sliding_window``, for the masks of sliding layers) does not give, on up to 65 evenly spaced query
+    rows of every sequence (index tensors on ``device``, the 2-D mask's, broadcast as transformers evaluates its
+    mask functions); ``None`` where it asks nothing else or cannot be evaluated so. The padding is not part of
+    the function (transformers passes it as the 2-D mask)."""
     if mask_function is None or not isinstance(q_offset, int) or not isinstance(kv_offset, int):
-        return False
+        return None
     steps = max(2, min(65, q_length, (1 << 24) // max(1, batch_size * kv_length)))
     q_idx = q_offset + torch.linspace(0, q_length - 1, steps, device=device).round().long().unique()
     kv_idx = kv_offset + torch.arange(kv_length, device=device)
@@ -712,11 +760,22 @@ def _sees_later(mask_function, batch_size, q_length, kv_length, q_offset, kv_off
                              torch.zeros((1, 1, 1, 1), dtype=torch.long, device=device), q_idx[None, None, :, None],
                              kv_idx[None, None, None, :])
     except Exception:  # a mask function written for scalar indices only (vmap): not checked
-        return False
+        return None
     if not isinstance(seen, torch.Tensor):
-        return False
-    later = kv_idx[None, None, None, :] > q_idx[None, None, :, None]
-    return bool((seen.to(torch.bool) & later.to(seen.device)).any())
+        return None
+    seen = seen.to(torch.bool)
+    back = q_idx[None, None, :, None] - kv_idx[None, None, None, :]  # how far back each key lies
+    back = back.to(seen.device)
+    if bool((seen & (back < 0)).any()):
+        return ("lets a position see later ones (bidirectional attention, e.g. a BERT-style model without "
+                "config.is_decoder=True, or bidirectional image tokens)")
+    causal = (back >= 0).expand_as(seen)
+    if bool((seen == causal).all()):
+        return None
+    if isinstance(sliding_window, int) and bool((seen == (causal & (back < sliding_window))).all()):
+        return None
+    return ("hides earlier positions of a sequence beyond its window (packed sequences: position_ids that restart "
+            "within a row, or a custom mask function)")
 
 
 def _first_positions(attention_mask):
@@ -788,10 +847,15 @@ def cp_attention_forward(module, query, key, value, attention_mask, scaling=None
     if not _compiling():
         if dropout:
             raise ValueError(f"cp_attention is an inference attention: dropout must be 0, got {dropout}")
-        if kwargs.get("is_causal") is False or getattr(attention_mask, "cp_sees_later", False):
-            raise ValueError(f"cp_attention is causal: {type(module).__name__} attends with a mask that lets a "
-                             f"position see later ones (bidirectional attention, e.g. a BERT-style model without "
-                             f"config.is_decoder=True, or bidirectional image tokens), which is not supported")
+        if kwargs.get("output_attentions"):
+            raise ValueError("cp_attention computes no attention weights: output_attentions=True needs "
+                             "attn_implementation='eager'")
+        problem = getattr(attention_mask, "cp_mask_problem", None)
+        if kwargs.get("is_causal") is False and problem is None:
+            problem = "lets a position see later ones (is_causal=False)"
+        if problem:
+            raise ValueError(f"cp_attention attends causally, over the left-padded rows of its cache: "
+                             f"{type(module).__name__} attends with a mask that {problem}, which is not supported")
         if layer is not None and (key is not kv[0] or value is not kv[1]):
             raise ValueError(f"cp_attention: {type(module).__name__} changes the keys or values between the cache "
                              f"update and the attention (e.g. tiles or splits them); the sharded cache holds them as "

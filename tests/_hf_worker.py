@@ -28,15 +28,29 @@ def main():
     dist.init_process_group("gloo")
     results = {}
     try:
+        rank = dist.get_rank()
         for case in cases:
-            model = tiny_model(case["arch"])
+            # "rank_differs": what rank 1 changes (a case that every rank must refuse, "expect" its message)
+            other = case.get("rank_differs") if rank == 1 else None
+            model = tiny_model(case["arch"], seed=1 if other == "weights" else 0,
+                               **({"sliding_window": 3} if other == "window" else {}))
             model.set_attn_implementation("cp_attention")
             kwargs = dict(case.get("cache", {}))
+            if other == "dtype":
+                kwargs["dtype"] = "bfloat16"
             if "dtype" in kwargs:
                 kwargs["dtype"] = DTYPES[kwargs["dtype"]]
             cache = cph.CPCache(model.config, **kwargs)
-            assert cache.world_size == dist.get_world_size() and cache.rank == dist.get_rank()
-            ids, mask = prompts(padded=case.get("padded", True), row=case.get("row"))
+            assert cache.world_size == dist.get_world_size() and cache.rank == rank
+            ids, mask = prompts(seed=2 if other == "prompt" else 1, padded=case.get("padded", True) and other != "padding",
+                                row=case.get("row"))
+            if "expect" in case:
+                try:
+                    generate(model, ids, mask, cache)
+                    results[case["id"]] = "no error"
+                except ValueError as exc:
+                    results[case["id"]] = str(exc)
+                continue
             if case.get("rows"):
                 tokens, logits = None, forward_rows(model, ids, mask, cache, case["rows"])
             else:

@@ -137,6 +137,7 @@ def test_generation_modes_match_eager(refs, monkeypatch, arch, mode, row, cache_
 @pytest.mark.parametrize("arch, fp8, cache_kwargs", [
     pytest.param("gemma2-softcap-window5", "float8_e4m3fn", {}, id="gemma2-e4m3"),
     pytest.param("llama", "float8_e5m2", {"page_size": 4, "max_cache_len": 20}, id="llama-e5m2-static-paged4"),
+    pytest.param("qwen3", "float8_e4m3fn", {"max_cache_len": 20}, id="qwen3-e4m3-static"),
 ])
 def test_fp8_shards_match_eager_loosely(refs, arch, fp8, cache_kwargs):
     """FP8 shards: per-KV-head scales from the prefill's amax; logits within a few percent of their range
@@ -299,12 +300,73 @@ def test_bidirectional_attention_is_refused():
 
 
 def test_attention_outside_the_interface_is_refused():
-    """GPT-Neo's attention does not go through transformers' AttentionInterface: its layers update the cache
-    but never call cp_attention, which the next layer's update notices."""
+    """GPT-Neo's attention does not go through transformers' AttentionInterface: its config keeps "eager",
+    which the first update refuses (a layer that updates without attending is noticed by the next update:
+    test_a_model_left_on_another_attention_is_refused)."""
     config = transformers.GPTNeoConfig(vocab_size=97, hidden_size=64, num_layers=2, num_heads=2,
                                        attention_types=[[["global"], 2]], max_position_embeddings=64)
     _assert_generate_refused(transformers.GPTNeoForCausalLM, config,
-                             "its attention did not run through attn_implementation='cp_attention'")
+                             "attn_implementation='eager'; a CPCache needs 'cp_attention'")
+
+
+def test_a_model_left_on_another_attention_is_refused():
+    """A CPCache given to a model that attends with sdpa: refused at the first update (one layer: no later
+    layer's update could notice), and an update whose attention never ran is noticed at the next forward."""
+    model = tiny_model("llama", num_hidden_layers=1)
+    model.set_attn_implementation("sdpa")
+    ids, mask = prompts(padded=False)
+    with pytest.raises(ValueError, match="attn_implementation='sdpa'; a CPCache needs 'cp_attention'"):
+        generate(model, ids, mask, cph.CPCache(model.config))
+    model.set_attn_implementation("cp_attention")
+    cache = cph.CPCache(model.config)
+    cache.update(torch.zeros(3, 2, 11, 16), torch.zeros(3, 2, 11, 16), 0)  # no attention reads it
+    with pytest.raises(ValueError, match="did not run through attn_implementation='cp_attention'"):
+        cache.update(torch.zeros(3, 2, 1, 16), torch.zeros(3, 2, 1, 16), 0)
+
+
+def test_attention_weights_are_refused():
+    model = tiny_model("llama")
+    model.set_attn_implementation("cp_attention")
+    ids, mask = prompts()
+    with pytest.raises(ValueError, match="output_attentions=True needs attn_implementation='eager'"):
+        generate(model, ids, mask, cph.CPCache(model.config), output_attentions=True)
+
+
+def test_packed_sequences_are_refused():
+    """position_ids that restart within a row (packed sequences, no mask): transformers' mask keeps each
+    sequence to itself, which the causal rule over the row would not."""
+    model = tiny_model("llama")
+    ids, _ = prompts(padded=False)
+    pos = torch.cat([torch.arange(5), torch.arange(6)]).expand(3, -1)
+    model.set_attn_implementation("cp_attention")
+    with pytest.raises(ValueError, match="packed sequences"), torch.no_grad():
+        model(input_ids=ids, position_ids=pos, use_cache=False)
+    with torch.no_grad():  # the same positions unpacked are accepted
+        model(input_ids=ids, position_ids=torch.arange(11).expand(3, -1), use_cache=False)
+
+
+@pytest.mark.parametrize("cache_kwargs", [{"max_cache_len": 15}, {"max_cache_len": 15, "page_size": 4}])
+def test_decode_past_max_cache_len_is_refused(cache_kwargs):
+    """A preallocated cache too short for the new tokens (11 + 5 > 15) raises at the step that overflows,
+    naming max_cache_len, instead of writing the token nowhere."""
+    model = tiny_model("llama")
+    model.set_attn_implementation("cp_attention")
+    ids, mask = prompts()
+    cache = cph.CPCache(model.config, **cache_kwargs)
+    with pytest.raises(ValueError, match="16 tokens exceed max_cache_len = 15"):
+        generate(model, ids, mask, cache, new_tokens=6)
+    assert int(cache.get_seq_length()) == 15
+
+
+def test_a_cache_keeps_its_batch():
+    model = tiny_model("llama")
+    model.set_attn_implementation("cp_attention")
+    ids, mask = prompts()
+    cache = cph.CPCache(model.config, max_cache_len=32)
+    generate(model, ids, mask, cache, new_tokens=2)
+    cache.reset()
+    with pytest.raises(ValueError, match="holds 3 rows .* a forward of 1 rows needs a new CPCache"):
+        generate(model, ids[:1], mask[:1], cache, new_tokens=2)
 
 
 def test_a_window_given_only_by_the_config_is_applied():
@@ -469,7 +531,11 @@ DIST_CASES = {
         {"id": "llama-rows3", "arch": "llama", "rows": 3},
         {"id": "gpt-oss-beam2-paged3", "arch": "gpt-oss-sinks-window5", "mode": "beam2", "cache": {"page_size": 3}},
         {"id": "gemma2-ahead-static", "arch": "gemma2-softcap-window5", "ahead": True, "cache": {"max_cache_len": 20}},
-    ]),
+    ] + [  # rank 1 differs: every rank refuses the prefill (and the next case still runs on the group)
+        {"id": f"differs-{what}", "arch": "mistral-window5", "rank_differs": what, "expect": expect}
+        for what, expect in (("prompt", "layer 0's new keys differ"), ("padding", "layer 0's new keys differ"),
+                             ("weights", "layer 0's new keys differ"), ("window", "same cache dtype and layer windows"),
+                             ("dtype", "same cache dtype and layer windows"))]),
     3: (False, [{"id": a, "arch": a} for a in ARCHS] + [
         {"id": "llama-static-unpadded", "arch": "llama", "padded": False, "cache": {"max_cache_len": 17}},
         {"id": "gemma2-fp8-paged2", "arch": "gemma2-softcap-window5",
@@ -513,7 +579,7 @@ def dist_runs(tmp_path_factory):
 
 @pytest.mark.parametrize("world, case", [
     pytest.param(w, c, id=f"{c['id']}-W{w}-{'interp' if DIST_CASES[w][0] else 'torch'}")
-    for w in DIST_CASES for c in DIST_CASES[w][1]])
+    for w in DIST_CASES for c in DIST_CASES[w][1] if "expect" not in c])
 def test_context_parallel_generate_matches_eager(refs, dist_runs, world, case):
     results = [ranks[case["id"]] for ranks in dist_runs(world)]
     tokens, logits, length = results[0]
@@ -531,6 +597,14 @@ def test_context_parallel_generate_matches_eager(refs, dist_runs, world, case):
         return
     assert torch.equal(tokens, ref_tokens)
     torch.testing.assert_close(logits, ref_logits, **LOGIT_TOL)
+
+
+@pytest.mark.parametrize("case", [c for c in DIST_CASES[2][1] if "expect" in c], ids=lambda c: c["id"])
+def test_ranks_given_other_inputs_raise_on_every_rank(dist_runs, case):
+    """Ranks whose prompts, padding, weights, windows or cache dtypes differ would give tokens that are wrong or
+    differ between ranks: the prefill's agreement check raises on both, and the group goes on working."""
+    messages = [ranks[case["id"]] for ranks in dist_runs(2)]
+    assert all(case["expect"] in m for m in messages), messages
 
 
 # ------------------------------------------------------------------------------------------------------
