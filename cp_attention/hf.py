@@ -281,9 +281,11 @@ class _Shared:
         dtype = self.dtype or key_states.dtype
         code = dtypes.index(dtype) if dtype in dtypes else -1
         windows = zlib.crc32(repr(self.windows).encode())
-        k = key_states.detach().double()
-        weight = torch.arange(1, k.numel() + 1, device=k.device, dtype=torch.float64).view(k.shape) / k.numel()
-        sums = torch.stack([k.abs().sum(), (k * weight).sum(), k.sum()])
+        k = key_states.detach()  # per-position sums first: no copy of the prompt's keys
+        magnitude = torch.linalg.vector_norm(k, ord=1, dim=(1, 3), dtype=torch.float32).double()  # [B, S]
+        total = k.sum(dim=(1, 3), dtype=torch.float32).double()
+        weight = torch.arange(1, b * s + 1, device=k.device, dtype=torch.float64).view(b, s) / (b * s)
+        sums = torch.stack([magnitude.sum(), (total * weight).sum(), total.sum()])
         mine = torch.cat([torch.tensor([b, s, start, hkv, d, code, windows], dtype=torch.float64, device=k.device),
                           sums])
         everyone = torch.empty(self.world * mine.numel(), dtype=torch.float64, device=k.device)
