@@ -656,6 +656,19 @@ def test_compiled_generate_decode_step_fullgraph():
     torch.testing.assert_close(got, ref, **LOGIT_TOL)
 
 
+def test_compiled_step_past_max_cache_len_stops():
+    """A traced decode step on a full preallocated cache cannot raise on the host: its graph asserts on the
+    device (on the CPU the assert raises at once)."""
+    model, cache, token, mask = _decode_ready_cache()
+    cache.set_seq_length(24)  # max_cache_len
+    mask = torch.ones(3, 25, dtype=mask.dtype)
+    masks = cph.cp_attention_mask(3, 1, mask.shape[1], attention_mask=mask.bool())
+    step = torch.compile(model.forward, backend="eager", fullgraph=True)
+    with pytest.raises(RuntimeError, match="exceed max_cache_len"), torch.no_grad():
+        step(input_ids=token, attention_mask=masks, position_ids=torch.full((3, 1), 24), use_cache=True,
+             **{cache_kwarg(model): cache})
+
+
 @pytest.mark.parametrize("paged", [False, True])
 def test_decode_step_graph_inputs_do_not_alias(paged):
     """The traced decode step takes each cache buffer once: no graph input is a view of another. (An aliased
