@@ -63,8 +63,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import numbers
-import zlib
 import threading
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -242,8 +242,9 @@ class _Shared:
                                  f"by reset()); a forward of {b} rows needs a new CPCache")
         if self.static:
             if not _compiling():
-                start = int(self.end) if s > 1 or self.host_end is None else self.host_end  # a prefill: eager, its
-                if start + s > self.max_cache_len:                      # host sync is cheap next to it
+                # a prefill (eager) reads the device length: its host sync is cheap next to it
+                start = int(self.end) if s > 1 or self.host_end is None else self.host_end
+                if start + s > self.max_cache_len:
                     raise ValueError(f"CPCache: {start + s} tokens exceed max_cache_len = {self.max_cache_len} (a "
                                      f"forward of {s} after {start}); give the cache room for the prompt and every "
                                      f"new token")
@@ -279,7 +280,7 @@ class _Shared:
         start = -1 if self.host_start is None else self.host_start
         dtypes = FLOAT_DTYPES + FP8_DTYPES
         dtype = self.dtype or key_states.dtype
-        code = dtypes.index(dtype) if dtype in dtypes else -1
+        code = dtypes.index(dtype) if dtype in dtypes else len(dtypes)
         windows = zlib.crc32(repr(self.windows).encode())
         k = key_states.detach()  # per-position sums first: no copy of the prompt's keys
         magnitude = torch.linalg.vector_norm(k, ord=1, dim=(1, 3), dtype=torch.float32).double()  # [B, S]
@@ -297,11 +298,12 @@ class _Shared:
                              f"heads, head dim) per rank: {shapes}")
         if any(row[5:7] != rows[0][5:7] for row in rows):
             raise ValueError(f"CPCache: every rank must hold the same cache dtype and layer windows; per rank: "
-                             f"{[dtypes[int(r[5])] for r in rows]}, window digests {[int(r[6]) for r in rows]}")
+                             f"{[str(dtypes[int(r[5])]) if r[5] < len(dtypes) else 'another dtype' for r in rows]}, window digests {[int(r[6]) for r in rows]}")
         tol = 1e-3 * max(r[7] for r in rows) + 1e-30
         if any(abs(r[j] - rows[0][j]) > tol for r in rows for j in (8, 9)):
             raise ValueError("CPCache: every rank must run the same forward with the same inputs and weights; layer "
                              "0's new keys differ between ranks (other prompts, padding or weights)")
+
     def end_value(self):
         """The global length after this forward: a host int, or the device tensor (static layers)."""
         return self.end if self.static else self.length
