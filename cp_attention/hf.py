@@ -679,7 +679,15 @@ class CPCache(Cache):
         super().reset()
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last ``-tokens_to_remove`` tokens (a negative int, as transformers' caches take it)."""
+        """Drop the last ``-tokens_to_remove`` tokens (a negative int, or a one-element integer tensor, as
+        transformers' caches take it; read on the host)."""
+        if isinstance(tokens_to_remove, torch.Tensor):
+            if tokens_to_remove.numel() != 1 or tokens_to_remove.is_floating_point() or tokens_to_remove.is_complex():
+                raise TypeError(f"CPCache.crop takes an int or a one-element integer tensor, got a tensor of shape "
+                                f"{tuple(tokens_to_remove.shape)} and dtype {tokens_to_remove.dtype}")
+            tokens_to_remove = int(tokens_to_remove)
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
+            raise TypeError(f"CPCache.crop takes an int, got {type(tokens_to_remove).__name__}")
         if tokens_to_remove > 0:
             raise ValueError(f"CPCache.crop takes a negative number of tokens to remove, got {tokens_to_remove}")
         sh = self._shared

@@ -134,6 +134,22 @@ def test_generation_modes_match_eager(refs, monkeypatch, arch, mode, row, cache_
         assert any(n == "crop" and a < 0 for n, a in calls)
 
 
+def test_crop_takes_a_count_as_a_tensor(refs, monkeypatch):
+    """Prompt lookup where transformers passes ``crop`` the rejected drafts' count as a 0-d tensor (as 5.17
+    does): the same tokens; a count that is no integer is refused."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    crop = cph.CPCache.crop
+    monkeypatch.setattr(cph.CPCache, "crop", lambda self, n: crop(self, torch.as_tensor(n)))
+    ref_tokens, ref_logits, _, ref_len = refs("llama", mode="lookup3", row=1)
+    tokens, logits, cache = _cp_generate("llama", mode="lookup3", row=1)
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, **MODE_TOL)
+    assert int(cache.get_seq_length()) == ref_len
+    for bad in (torch.tensor(-1.0), torch.tensor([-1, -1]), -1.0, True):
+        with pytest.raises(TypeError, match="crop"):
+            crop(cache, bad)
+
+
 @pytest.mark.parametrize("arch, fp8, cache_kwargs", [
     pytest.param("gemma2-softcap-window5", "float8_e4m3fn", {}, id="gemma2-e4m3"),
     pytest.param("llama", "float8_e5m2", {"page_size": 4, "max_cache_len": 20}, id="llama-e5m2-static-paged4"),
