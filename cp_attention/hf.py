@@ -75,7 +75,7 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.masking_utils import AttentionMaskInterface
 
 from ._constants import FLOAT_DTYPES, FP8_DTYPES
-from ._validate import MAX_Q_ROWS, check_device
+from ._validate import INT32_MAX, MAX_Q_ROWS, check_device, check_int
 from .decode import flash_decode
 from .distributed import merge_across_ranks
 from .quant import amax_scale, quantize
@@ -297,8 +297,9 @@ class _Shared:
             raise ValueError(f"CPCache: every rank must run the same forward; (batch, new tokens, cached length, KV "
                              f"heads, head dim) per rank: {shapes}")
         if any(row[5:7] != rows[0][5:7] for row in rows):
+            names = [str(dtypes[int(r[5])]) if r[5] < len(dtypes) else "another dtype" for r in rows]
             raise ValueError(f"CPCache: every rank must hold the same cache dtype and layer windows; per rank: "
-                             f"{[str(dtypes[int(r[5])]) if r[5] < len(dtypes) else 'another dtype' for r in rows]}, window digests {[int(r[6]) for r in rows]}")
+                             f"{names}, window digests {[int(r[6]) for r in rows]}")
         tol = 1e-3 * max(r[7] for r in rows) + 1e-30
         if any(abs(r[j] - rows[0][j]) > tol for r in rows for j in (8, 9)):
             raise ValueError("CPCache: every rank must run the same forward with the same inputs and weights; layer "
@@ -681,13 +682,10 @@ class CPCache(Cache):
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``-tokens_to_remove`` tokens (a negative int, or a one-element integer tensor, as
         transformers' caches take it; read on the host)."""
-        if isinstance(tokens_to_remove, torch.Tensor):
-            if tokens_to_remove.numel() != 1 or tokens_to_remove.is_floating_point() or tokens_to_remove.is_complex():
-                raise TypeError(f"CPCache.crop takes an int or a one-element integer tensor, got a tensor of shape "
-                                f"{tuple(tokens_to_remove.shape)} and dtype {tokens_to_remove.dtype}")
-            tokens_to_remove = int(tokens_to_remove)
-        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
-            raise TypeError(f"CPCache.crop takes an int, got {type(tokens_to_remove).__name__}")
+        n = tokens_to_remove
+        if isinstance(n, torch.Tensor) and n.numel() == 1 and not (n.is_floating_point() or n.is_complex()):
+            n = n.item()
+        tokens_to_remove = check_int("CPCache.crop: tokens_to_remove", n, -INT32_MAX)
         if tokens_to_remove > 0:
             raise ValueError(f"CPCache.crop takes a negative number of tokens to remove, got {tokens_to_remove}")
         sh = self._shared
