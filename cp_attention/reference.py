@@ -66,16 +66,20 @@ def attention(q, k, v, seq_lens=None, *, sm_scale=None, kv_layout="HND", row_lim
     if lows is not None:
         visible &= pos[None, None, :] >= lows[:, :, None]
     # Garbage (NaN, inf) past a sequence's length never enters the result.
-    kk = k.to(ct).masked_fill(~valid[:, None, :, None], 0.0).repeat_interleave(hq // hkv, dim=1)
-    vv = v.to(ct).masked_fill(~valid[:, None, :, None], 0.0).repeat_interleave(hq // hkv, dim=1)
-    s = torch.einsum("bqhd,bhtd->bqht", q4.to(ct), kk) * scale
+    kk = k.to(ct).masked_fill(~valid[:, None, :, None], 0.0)
+    vv = v.to(ct).masked_fill(~valid[:, None, :, None], 0.0)
+    # Query heads in groups of Hq // Hkv per KV head (head h reads KV head h // group), so K/V are never
+    # repeated per query head: the float64 oracle of a long cache stays a few copies of the cache in size.
+    group = hq // hkv
+    qg = q4.to(ct).reshape(b, n_q, hkv, group, d)
+    s = torch.einsum("bqhgd,bhtd->bqhgt", qg, kk).reshape(b, n_q, hq, t) * scale
     if logit_softcap is not None:
         s = logit_softcap * torch.tanh(s / logit_softcap)
     s = s.masked_fill(~visible[:, :, None, :], float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # [B, Q, Hq]
     lse_ref = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
     p = torch.exp(s - lse_ref[..., None])
-    o = torch.einsum("bqht,bhtd->bqhd", p, vv)
+    o = torch.einsum("bqhgt,bhtd->bqhgd", p.reshape(b, n_q, hkv, group, t), vv).reshape(b, n_q, hq, d)
     if sinks is not None:  # the sink joins the denominator once, with no value
         sink = sinks.to(device=k.device, dtype=ct)[None, None, :].expand_as(lse)
         # o * e^lse / (e^lse + e^sink); a row with no key keeps o = 0 and a +inf sink gives o = 0, lse = +inf

@@ -33,6 +33,16 @@ def poison_kernel_outputs(monkeypatch):
     monkeypatch.setattr(dispatch, "POISON_OUTPUTS", True)
 
 
+@pytest.fixture(autouse=True)
+def release_cached_gpu_memory():
+    """After each test, the GPU memory this worker's allocator keeps cached goes back to the device, so the
+    parallel workers of the GPU suite (pytest-xdist) share an 80 GB card by what they use, not what they
+    once used."""
+    yield
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
