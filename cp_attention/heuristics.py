@@ -222,6 +222,10 @@ def table_pages(plan: DecodePlan, page_size: int) -> int:
 
 # "Many sequences": at least this many (sequence, KV head) pairs per SM, the waves of the rules below
 MANY_WAVES = 3
+# 16-bit caches: two waves of programs replace one where one leaves program slots idle and two fill more of
+# them, if the two-wave splits still hold at least this many tiles (B = 1 with 8 KV heads on 132 SMs: 33 splits from
+# 512k positions; docs/tuning.md)
+TWO_WAVE_MIN_TILES = 96
 # 64-key tiles in two stages, four programs per SM (registers capped at 128): many sequences × KV heads
 FOUR_PER_SM = DecodeConfig(64, 4, 2, programs=4, maxnreg=128)  # 65536 registers / (4 programs x 128 threads)
 # FP8 caches outside the one-warp kernel's domain (:func:`one_warp_fp8`), dense or paged: 64-key tiles, two
@@ -381,7 +385,8 @@ def decode_plan(batch: int, num_kv_heads: int, t_max: int, head_dim: int, dtype:
 
     ``splits`` None: the tuned policy; it runs one wave of programs (more splits only add combine work),
     takes the fullest one (FA2 settles for 85% of it, which here would leave up to 15% of the SMs idle for
-    the whole kernel). An int fixes the count (capped at the number of tiles). A split may be a single
+    the whole kernel), or, for a 16-bit cache, two waves where they fill more of the program slots with
+    splits of at least :data:`TWO_WAVE_MIN_TILES` tiles. An int fixes the count (capped at the number of tiles). A split may be a single
     tile: at short contexts the latency of fewer, longer splits costs more than the extra states
     (docs/tuning.md). ``config`` None: :func:`decode_config`
     of the query's ``dtype``; the shared memory of its K/V stages (programs per SM) counts in
@@ -401,6 +406,8 @@ def decode_plan(batch: int, num_kv_heads: int, t_max: int, head_dim: int, dtype:
 
     >>> decode_plan(1, 8, 131072, 128, torch.bfloat16, 132).num_splits
     16
+    >>> decode_plan(1, 8, 1 << 20, 128, torch.bfloat16, 132).num_splits  # two waves: every SM reads
+    33
     >>> decode_plan(1, 8, 131072, 128, torch.bfloat16, 132, page_size=64).split_pages
     128
     >>> decode_plan(16, 8, 131072, 128, torch.bfloat16, 132, page_size=16)[1:]  # one split of 1024 tiles, capped
@@ -432,6 +439,10 @@ def decode_plan(batch: int, num_kv_heads: int, t_max: int, head_dim: int, dtype:
         work = batch * num_kv_heads
         slots = num_sms * config.programs_per_sm(head_dim, kv_dtype or dtype)
         splits = num_splits(work, slots, n_blocks, max_splits=max(1, slots // max(work, 1)), efficiency=1.0)
+        two = num_splits(work, 2 * slots, n_blocks, max_splits=max(1, 2 * slots // max(work, 1)), efficiency=1.0)
+        if ((kv_dtype or dtype).itemsize == 2 and n_blocks >= two * TWO_WAVE_MIN_TILES
+                and work * two / (2 * slots) > work * splits / slots):
+            splits = two
     tiles = math.ceil(n_blocks / min(splits, n_blocks))
     return DecodePlan(config, math.ceil(n_blocks / tiles), tiles,
                       streams=key_streams(config, tiles, rows) if not page_size else 1)

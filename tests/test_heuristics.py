@@ -115,7 +115,10 @@ def test_decode_configs():
 # (B, Hkv, T_max, D, dtype) -> (splits, tiles per split) on 132 SMs.
 DECODE_PLANS = [
     ((1, 8, 131072, 128, torch.bfloat16), (16, 64)),   # one wave: 128 programs
-    ((1, 8, 1 << 20, 128, torch.bfloat16), (16, 512)),
+    ((1, 8, 1 << 20, 128, torch.bfloat16), (33, 249)),  # two full waves: 264 programs of >= 96 tiles
+    ((1, 8, 1 << 19, 128, torch.bfloat16), (33, 125)),
+    ((1, 8, 1 << 18, 128, torch.bfloat16), (16, 128)),  # two waves' splits would hold 63 tiles: one wave
+    ((4, 8, 131072, 128, torch.bfloat16), (4, 256)),    # two waves no fuller than one (256 of 264 slots)
     ((4, 8, 32768, 128, torch.bfloat16), (4, 64)),
     ((16, 8, 32768, 128, torch.bfloat16), (1, 256)),    # 128 work items fill the machine
     ((64, 8, 4096, 128, torch.bfloat16), (1, 32)),
@@ -179,7 +182,8 @@ def test_paged_plan_takes_the_dense_plan_with_the_table_in_registers():
     assert decode_plan(16, 8, 131072, 128, torch.bfloat16, 132, page_size=64).split_pages == 2048  # fits
     # pages of 512 (four tiles a page): a split that starts mid-page needs one entry more than its keys
     big = decode_plan(1, 8, 1 << 24, 128, torch.bfloat16, 132, page_size=512)
-    assert big.split_pages == 2048 and big.tiles_per_split * 128 <= 2047 * 512
+    assert big.num_splits == 33 and big.split_pages == 1024  # 993.25 pages of keys: up to 995 entries
+    assert big.tiles_per_split * 128 <= (big.split_pages - 1) * 512
     assert decode_plan(1, 8, 1 << 24, 128, torch.bfloat16, 132, page_size=16, splits=2).split_pages == 0
 
 
