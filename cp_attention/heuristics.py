@@ -223,8 +223,8 @@ def table_pages(plan: DecodePlan, page_size: int) -> int:
 # "Many sequences": at least this many (sequence, KV head) pairs per SM, the waves of the rules below
 MANY_WAVES = 3
 # 16-bit caches: two waves of programs replace one where one leaves program slots idle and two fill more of
-# them, if the two-wave splits still hold at least this many tiles (B = 1 with 8 KV heads on 132 SMs: 33 splits from
-# 512k positions; docs/tuning.md)
+# them, if the two-wave splits still hold at least this many tiles (B = 1 with 8 KV heads on 132 SMs: 33
+# splits from 512k positions; docs/tuning.md)
 TWO_WAVE_MIN_TILES = 96
 # 64-key tiles in two stages, four programs per SM (registers capped at 128): many sequences × KV heads
 FOUR_PER_SM = DecodeConfig(64, 4, 2, programs=4, maxnreg=128)  # 65536 registers / (4 programs x 128 threads)
@@ -386,9 +386,9 @@ def decode_plan(batch: int, num_kv_heads: int, t_max: int, head_dim: int, dtype:
     ``splits`` None: the tuned policy; it runs one wave of programs (more splits only add combine work),
     takes the fullest one (FA2 settles for 85% of it, which here would leave up to 15% of the SMs idle for
     the whole kernel), or, for a 16-bit cache, two waves where they fill more of the program slots with
-    splits of at least :data:`TWO_WAVE_MIN_TILES` tiles. An int fixes the count (capped at the number of tiles). A split may be a single
-    tile: at short contexts the latency of fewer, longer splits costs more than the extra states
-    (docs/tuning.md). ``config`` None: :func:`decode_config`
+    splits of at least :data:`TWO_WAVE_MIN_TILES` tiles. An int fixes the count (capped at the number of
+    tiles). A split may be a single tile: at short contexts the latency of fewer, longer splits costs more than
+    the extra states (docs/tuning.md). ``config`` None: :func:`decode_config`
     of the query's ``dtype``; the shared memory of its K/V stages (programs per SM) counts in
     ``kv_dtype`` (default ``dtype``; an FP8 cache takes half). ``page_size`` > 0: the cache is read
     through a block table of pages of that size: the dense cache's plan with the table in registers where a
@@ -439,10 +439,10 @@ def decode_plan(batch: int, num_kv_heads: int, t_max: int, head_dim: int, dtype:
         work = batch * num_kv_heads
         slots = num_sms * config.programs_per_sm(head_dim, kv_dtype or dtype)
         splits = num_splits(work, slots, n_blocks, max_splits=max(1, slots // max(work, 1)), efficiency=1.0)
-        two = num_splits(work, 2 * slots, n_blocks, max_splits=max(1, 2 * slots // max(work, 1)), efficiency=1.0)
-        if ((kv_dtype or dtype).itemsize == 2 and n_blocks >= two * TWO_WAVE_MIN_TILES
-                and work * two / (2 * slots) > work * splits / slots):
-            splits = two
+        if (kv_dtype or dtype).itemsize == 2:  # two waves where they fill more slots than one: over twice the splits
+            two = num_splits(work, 2 * slots, n_blocks, max_splits=max(1, 2 * slots // max(work, 1)), efficiency=1.0)
+            if two > 2 * splits and n_blocks >= two * TWO_WAVE_MIN_TILES:
+                splits = two
     tiles = math.ceil(n_blocks / min(splits, n_blocks))
     return DecodePlan(config, math.ceil(n_blocks / tiles), tiles,
                       streams=key_streams(config, tiles, rows) if not page_size else 1)
