@@ -68,6 +68,7 @@ import zlib
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import transformers.generation.utils as generation_utils
 from transformers import AttentionInterface, Cache, GenerationMixin
 from transformers.cache_utils import CacheLayerMixin
@@ -196,6 +197,29 @@ def _read_config(config) -> tuple:
 # ------------------------------------------------------------------------------------------------------
 # The cache
 
+_STEP_DIFFERS = ("CPCache: every rank must run the same decode step; layer 0's new keys differ between ranks (the "
+                 "tokens fed back part: the generation settings -- sampling and its seed, logits processors -- must "
+                 "be the same on every rank)")
+# torch >= 2.13 names the functional one-tensor all-gather all_gather_single; older releases all_gather_tensor
+_funcol_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
+
+def _all_gather(t: torch.Tensor, group) -> torch.Tensor:
+    """``[W * n]``: ``t [n]`` of every rank of ``group`` (default: the default group), in rank order; traceable."""
+    return _funcol_all_gather(t, 0, group if group is not None else dist.group.WORLD)
+
+
+def _key_sums(key_states) -> torch.Tensor:
+    """``[3]`` float64: the sum of ``|k|``, a sum weighted by the (row, position) order and the plain sum of
+    ``key_states [B, Hkv, S, D]`` (per position first: no copy of a prompt's keys)."""
+    b, _, s, _ = key_states.shape
+    k = key_states.detach()
+    magnitude = torch.linalg.vector_norm(k, ord=1, dim=(1, 3), dtype=torch.float32).double()  # [B, S]
+    total = k.sum(dim=(1, 3), dtype=torch.float32).double()
+    weight = torch.arange(1, b * s + 1, device=k.device, dtype=torch.float64).view(b, s) / (b * s)
+    return torch.stack([magnitude.sum(), (total * weight).sum(), total.sum()])
+
+
 
 class _Shared:
     """What the layers of one :class:`CPCache` share: the group, the global length, this rank's shard
@@ -217,6 +241,8 @@ class _Shared:
         self.host_end = 0  # static layers: the global length after the last forward, where the host knows it
         self.config, self.windows = None, ()  # the model's (text) config and its layers' windows
         self.memo = {}
+        self.ahead = False  # decode_ahead runs the loop: a decode step's agreement is read a step late
+        self.pending = collections.deque()  # (flag on the host, event after its copy) of those steps
 
     def allocate(self, batch, device) -> None:
         self.batch, self.device = batch, device
@@ -265,8 +291,12 @@ class _Shared:
         self.step = s
         if not _compiling():
             self.memo = {}
-            if s > 1 and self.world > 1:
+        if self.world > 1:
+            if s > 1 and not _compiling():
+                self.check_pending()
                 self._agree(key_states)
+            elif s == 1:
+                self._agree_step(key_states)
 
     def _agree(self, key_states) -> None:
         """Every rank runs the same forward: the batch, tokens, global length, KV heads and head dim, the cache's
@@ -282,14 +312,9 @@ class _Shared:
         dtype = self.dtype or key_states.dtype
         code = dtypes.index(dtype) if dtype in dtypes else len(dtypes)
         windows = zlib.crc32(repr(self.windows).encode())
-        k = key_states.detach()  # per-position sums first: no copy of the prompt's keys
-        magnitude = torch.linalg.vector_norm(k, ord=1, dim=(1, 3), dtype=torch.float32).double()  # [B, S]
-        total = k.sum(dim=(1, 3), dtype=torch.float32).double()
-        weight = torch.arange(1, b * s + 1, device=k.device, dtype=torch.float64).view(b, s) / (b * s)
-        sums = torch.stack([magnitude.sum(), (total * weight).sum(), total.sum()])
-        mine = torch.cat([torch.tensor([b, s, start, hkv, d, code, windows], dtype=torch.float64, device=k.device),
-                          sums])
-        everyone = torch.empty(self.world * mine.numel(), dtype=torch.float64, device=k.device)
+        mine = torch.cat([torch.tensor([b, s, start, hkv, d, code, windows], dtype=torch.float64,
+                                       device=key_states.device), _key_sums(key_states)])
+        everyone = torch.empty(self.world * mine.numel(), dtype=torch.float64, device=mine.device)
         all_gather_single(everyone, mine, group=self.group)
         rows = everyone.view(self.world, -1).tolist()
         shapes = [[int(x) for x in row[:5]] for row in rows]
@@ -304,6 +329,45 @@ class _Shared:
         if any(abs(r[j] - rows[0][j]) > tol for r in rows for j in (8, 9)):
             raise ValueError("CPCache: every rank must run the same forward with the same inputs and weights; layer "
                              "0's new keys differ between ranks (other prompts, padding or weights)")
+
+    def _agree_step(self, key_states) -> None:
+        """A decode step (one new token a row) is the same forward on every rank: the same global position, and
+        layer 0's new keys (which the token fed back sets) by the sums of :meth:`_agree`. Generation settings
+        that differ between ranks (sampling and its seed, logits processors) make the tokens part; the step
+        after that feeds different tokens, and merging its states would give every rank a wrong answer.
+
+        One all-gather of four float64 values a step, compared on the device. Eager steps read the verdict
+        before the layer attends and raise ``ValueError`` on every rank; under :func:`decode_ahead` the
+        verdict is read a step late (the host must not wait for the GPU), its last ones when the loop ends.
+        A traced step asserts on the device (a failure stops the process, as past ``max_cache_len``)."""
+        start = self.start if self.static else torch.tensor(self.host_start, device=key_states.device)
+        mine = torch.cat([start.to(torch.float64).view(1), _key_sums(key_states)])
+        everyone = _all_gather(mine, self.group).view(self.world, -1)
+        tol = 1e-3 * everyone[:, 1].max() + 1e-30
+        bad = (everyone[:, 0] != everyone[0, 0]).any() | ((everyone[:, 2:] - everyone[0, 2:]).abs() > tol).any()
+        if _compiling():
+            torch._assert_async(~bad, _STEP_DIFFERS)
+        elif self.ahead:
+            cuda = bad.is_cuda
+            flag = torch.empty((), dtype=torch.bool, pin_memory=cuda).copy_(bad, non_blocking=cuda)
+            done = torch.cuda.Event() if cuda else None
+            if done is not None:
+                done.record()
+            self.pending.append((flag, done))
+            self.check_pending(keep=1)
+        elif bool(bad):
+            raise ValueError(_STEP_DIFFERS)
+
+    def check_pending(self, keep: int = 0) -> None:
+        """Read the verdicts of the decode steps run under :func:`decode_ahead`, all but the last ``keep``
+        (oldest first; every rank reads the same steps', so every rank raises at the same step)."""
+        while len(self.pending) > keep:
+            flag, done = self.pending.popleft()
+            if done is not None:
+                done.synchronize()
+            if bool(flag):
+                self.pending.clear()
+                raise ValueError(_STEP_DIFFERS)
 
     def end_value(self):
         """The global length after this forward: a host int, or the device tensor (static layers)."""
@@ -675,6 +739,7 @@ class CPCache(Cache):
             sh.start.zero_()
         sh.host_end = 0
         sh.length, sh.padded, sh.memo = 0, False, {}
+        sh.pending.clear()
         if sh.seq_lens is not None:
             sh.seq_lens.zero_()
         super().reset()
@@ -1082,6 +1147,7 @@ class _LateStop:
         for _, _, done in self.slots:
             if done is not None:
                 done.synchronize()
+        self.cache._shared.check_pending()  # the last decode steps' agreement
         if self.stopped:
             self.cache.crop(-1)
         elif self.streamer is not None and self.steps:
@@ -1140,12 +1206,18 @@ def decode_ahead(model, input_ids, logits_processor, stopping_criteria, generati
     if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
         raise ValueError(f"cp_attention.hf.decode_ahead runs greedy search and sampling, not {mode.value} "
                          f"(num_beams={generation_config.num_beams}); call generate() without custom_generate")
-    if not any(isinstance(v, CPCache) for v in model_kwargs.values()):
+    cache = next((v for v in model_kwargs.values() if isinstance(v, CPCache)), None)
+    if cache is None:
         raise ValueError("cp_attention.hf.decode_ahead decodes on a CPCache: pass past_key_values="
                          "cp_attention.hf.CPCache(model.config, ...) to generate()")
-    with _late_stop():
-        return GenerationMixin._sample(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                                       synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
+    cache._shared.ahead = True
+    try:
+        with _late_stop():
+            return GenerationMixin._sample(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                                           synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
+    finally:
+        cache._shared.ahead = False
+        cache._shared.pending.clear()
 
 
 AttentionInterface.register(IMPLEMENTATION, cp_attention_forward)

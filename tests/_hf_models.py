@@ -80,14 +80,18 @@ def cache_kwarg(model) -> str:
 MODES = {
     "beam2": dict(num_beams=2, num_return_sequences=2),
     "lookup3": dict(prompt_lookup_num_tokens=3),
+    "sample": dict(do_sample=True, top_k=8),
 }
 
 
-def generate(model, ids, mask, cache=None, new_tokens=NEW_TOKENS, mode=None, ahead=False, **kwargs):
+def generate(model, ids, mask, cache=None, new_tokens=NEW_TOKENS, mode=None, ahead=False, seed=0, **kwargs):
     """``generate`` (greedy, or the generation mode ``MODES[mode]``; ``ahead``: through
-    ``cp_attention.hf.decode_ahead``) -> (new tokens [B', N], per-step logits [N, B', V] float32)."""
+    ``cp_attention.hf.decode_ahead``; ``seed``: torch's seed for the modes that sample, set right before) ->
+    (new tokens [B', N], per-step logits [N, B', V] float32)."""
     extra = {"do_sample": False} if cache is None else {"do_sample": False, cache_kwarg(model): cache}
     extra.update(MODES[mode] if mode else {}, **kwargs)
+    if extra["do_sample"] and mode:
+        torch.manual_seed(seed)
     if ahead:
         import cp_attention.hf
 

@@ -2,7 +2,7 @@
 ``python -m torch.distributed.run --nproc-per-node=W``: for every case of ``CASES.json`` (architecture and
 CPCache options; ``padded``: false for prompts of one length; ``row``: that prompt alone; ``mode``: a
 generation mode of ``_hf_models.MODES``; ``ahead``: through ``decode_ahead``; ``rows``: several query rows on a non-empty cache instead of
-``generate``) it builds the tiny seeded model, generates with a CPCache over the gloo group and saves
+``generate``; ``compiled_step``: decode steps traced whole, :func:`compiled_steps`) it builds the tiny seeded model, generates with a CPCache over the gloo group and saves
 ``{case id: (tokens, logits, get_seq_length())}`` to ``OUT_DIR/rank<r>.pt``.
 
     python -m torch.distributed.run --standalone --nproc-per-node=2 tests/_hf_worker.py CASES.json OUT_DIR
@@ -18,9 +18,29 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import cp_attention.hf as cph  # noqa: E402
-from _hf_models import forward_rows, generate, prompts, tiny_model  # noqa: E402
+from _hf_models import cache_kwarg, forward_rows, generate, prompts, tiny_model  # noqa: E402
 
 DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2, "bfloat16": torch.bfloat16}
+
+
+def compiled_steps(model, ids, mask, cache, token_differs: bool) -> str:
+    """A prefill, then two decode steps of ``model.forward`` traced whole (what transformers compiles): the
+    first feeds the same token on every rank, the second another token on rank 1 when ``token_differs``. The
+    message of the error each step raised, or "no error"."""
+    step = torch.compile(model.forward, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True, **{cache_kwarg(model): cache})
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        for i in range(2):
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+            masks = cph.cp_attention_mask(ids.shape[0], 1, mask.shape[1], attention_mask=mask.bool())
+            fed = token + 1 if token_differs and i == 1 else token
+            try:
+                step(input_ids=fed, attention_mask=masks, position_ids=(mask.cumsum(-1) - 1)[:, -1:], use_cache=True,
+                     **{cache_kwarg(model): cache})
+            except RuntimeError as exc:
+                return f"step {i}: {exc}"
+    return "no error"
 
 
 def main():
@@ -44,9 +64,14 @@ def main():
             assert cache.world_size == dist.get_world_size() and cache.rank == rank
             ids, mask = prompts(seed=2 if other == "prompt" else 1, padded=case.get("padded", True) and other != "padding",
                                 row=case.get("row"))
+            seed = 1 if other == "seed" else 0
+            if case.get("compiled_step"):
+                results[case["id"]] = compiled_steps(model, ids, mask, cache, token_differs=other == "token")
+                continue
             if "expect" in case:
                 try:
-                    generate(model, ids, mask, cache)
+                    generate(model, ids, mask, cache, mode=case.get("mode"), ahead=case.get("ahead", False),
+                             seed=seed)
                     results[case["id"]] = "no error"
                 except ValueError as exc:
                     results[case["id"]] = str(exc)
@@ -55,7 +80,7 @@ def main():
                 tokens, logits = None, forward_rows(model, ids, mask, cache, case["rows"])
             else:
                 tokens, logits = generate(model, ids, mask, cache, mode=case.get("mode"),
-                                          ahead=case.get("ahead", False))
+                                          ahead=case.get("ahead", False), seed=seed)
             results[case["id"]] = (tokens, logits, int(cache.get_seq_length()))
         torch.save(results, out_dir / f"rank{dist.get_rank()}.pt")
         dist.barrier()

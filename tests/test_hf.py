@@ -540,6 +540,7 @@ def test_prefill_states_merge_to_the_oracle(world, variant):
 # ------------------------------------------------------------------------------------------------------
 # W = 2 and W = 3: one torchrun launch each, every case in it
 
+STEP_DIFFERS = "every rank must run the same decode step"
 DIST_CASES = {
     2: (True, [{"id": a, "arch": a} for a in ARCHS] + [
         {"id": "mistral-static-paged3", "arch": "mistral-window5", "cache": {"max_cache_len": 20, "page_size": 3}},
@@ -547,11 +548,26 @@ DIST_CASES = {
         {"id": "llama-rows3", "arch": "llama", "rows": 3},
         {"id": "gpt-oss-beam2-paged3", "arch": "gpt-oss-sinks-window5", "mode": "beam2", "cache": {"page_size": 3}},
         {"id": "gemma2-ahead-static", "arch": "gemma2-softcap-window5", "ahead": True, "cache": {"max_cache_len": 20}},
+        {"id": "llama-sampled", "arch": "llama", "mode": "sample"},
+        {"id": "qwen3-sampled-ahead-static", "arch": "qwen3", "mode": "sample", "ahead": True,
+         "cache": {"max_cache_len": 20}},
     ] + [  # rank 1 differs: every rank refuses the prefill (and the next case still runs on the group)
         {"id": f"differs-{what}", "arch": "mistral-window5", "rank_differs": what, "expect": expect}
         for what, expect in (("prompt", "layer 0's new keys differ"), ("padding", "layer 0's new keys differ"),
                              ("weights", "layer 0's new keys differ"), ("window", "same cache dtype and layer windows"),
-                             ("dtype", "same cache dtype and layer windows"))]),
+                             ("dtype", "same cache dtype and layer windows"))] + [
+        # rank 1 samples with another seed: the tokens part, and the next decode step raises on every rank
+        {"id": "differs-seed", "arch": "llama", "mode": "sample", "rank_differs": "seed", "expect": STEP_DIFFERS},
+        {"id": "differs-seed-ahead-static", "arch": "llama", "mode": "sample", "ahead": True, "rank_differs": "seed",
+         "cache": {"max_cache_len": 20}, "expect": STEP_DIFFERS},
+        {"id": "differs-seed-ahead", "arch": "qwen3", "mode": "sample", "ahead": True, "rank_differs": "seed",
+         "expect": STEP_DIFFERS},
+        # a traced decode step: the same token passes, another token on rank 1 stops at the device assert
+        {"id": "same-token-compiled", "arch": "mistral-window5", "compiled_step": True, "cache": {"max_cache_len": 20},
+         "expect": "no error"},
+        {"id": "differs-token-compiled", "arch": "mistral-window5", "compiled_step": True, "rank_differs": "token",
+         "cache": {"max_cache_len": 20}, "expect": "step 1: CPCache: " + STEP_DIFFERS},
+    ]),
     3: (False, [{"id": a, "arch": a} for a in ARCHS] + [
         {"id": "llama-static-unpadded", "arch": "llama", "padded": False, "cache": {"max_cache_len": 17}},
         {"id": "gemma2-fp8-paged2", "arch": "gemma2-softcap-window5",
@@ -618,7 +634,9 @@ def test_context_parallel_generate_matches_eager(refs, dist_runs, world, case):
 @pytest.mark.parametrize("case", [c for c in DIST_CASES[2][1] if "expect" in c], ids=lambda c: c["id"])
 def test_ranks_given_other_inputs_raise_on_every_rank(dist_runs, case):
     """Ranks whose prompts, padding, weights, windows or cache dtypes differ would give tokens that are wrong or
-    differ between ranks: the prefill's agreement check raises on both, and the group goes on working."""
+    differ between ranks: the prefill's agreement check raises on both, and the group goes on working. Ranks
+    that sample with other seeds feed other tokens back: the next decode step raises on both (read a step late
+    under decode_ahead; a traced step asserts on the device)."""
     messages = [ranks[case["id"]] for ranks in dist_runs(2)]
     assert all(case["expect"] in m for m in messages), messages
 
