@@ -130,9 +130,11 @@ def _merge(n, sinks, one_warp, world=1, exchange_block_m=0):
                           "BUF_PTRS": "*i64"}, "constexprs": constexprs, "options": options}
 
 
-# 16 states (merge_states' layout), 8 in one warp (a cascade), pushed to the peers of exchanges of 2 and 4 ranks
+# 16 states (the exchanges' layout), 2 and 8 in one warp (merge_states, a cascade), pushed to the peers of
+# exchanges of 2 and 4 ranks
 MERGE = [_merge(n, sinks, one_warp, world, ex) for sinks in (False, True)
-         for n, one_warp, world, ex in ((16, False, 1, 0), (8, True, 1, 0), (8, True, 2, 16), (16, True, 4, 8))]
+         for n, one_warp, world, ex in ((16, False, 1, 0), (2, True, 1, 0), (8, True, 1, 0), (8, True, 2, 16),
+                                        (16, True, 4, 8))]
 
 
 def _symm(m, world, sinks, pushed=False):

@@ -89,13 +89,14 @@ def merge_config(n: int, d: int, one_warp: bool) -> tuple:
 
     Default: rows per program up to 8 and 4096 values, four warps from 2048 values: the layout whose bits
     the symmetric-memory exchange's merge (``ops/symm_merge.py``) reproduces, which the all-gather path of
-    ``merge_across_ranks`` must match bit for bit. ``one_warp``: up to 4 rows per program on one warp, which
-    keeps the max and the sums over the states in registers instead of crossing warps through shared
-    memory: faster (docs/tuning.md), with other roundings (the products and sums over the states contract
-    differently). Used by the merges of cascade levels, which no other path has to reproduce.
+    ``merge_across_ranks`` must match bit for bit. ``one_warp``: one warp a program, which keeps the max and
+    the sums over the states in registers instead of crossing warps through shared memory, 2 rows a program
+    up to 4 states and 4 rows from 8 (at most 4096 values): faster (docs/tuning.md), with other roundings
+    (the products and sums over the states contract differently). Used by ``merge_states`` and the merges of
+    cascade levels, which no other path has to reproduce.
     """
     block_d, block_s = next_pow2(d), min(16, next_pow2(n))
     if one_warp:
-        return max(1, min(4, 4096 // (block_s * block_d))), block_s, 1
+        return max(1, min(2 if block_s <= 4 else 4, 4096 // (block_s * block_d))), block_s, 1
     block_m = max(1, min(8, 4096 // (block_s * block_d)))
     return block_m, block_s, 4 if block_m * block_s * block_d >= 2048 else 1
