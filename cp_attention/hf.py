@@ -68,7 +68,6 @@ import zlib
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import transformers.generation.utils as generation_utils
 from transformers import AttentionInterface, Cache, GenerationMixin
 from transformers.cache_utils import CacheLayerMixin
@@ -79,6 +78,7 @@ from ._constants import FLOAT_DTYPES, FP8_DTYPES
 from ._validate import INT32_MAX, MAX_Q_ROWS, check_device, check_int
 from .decode import flash_decode
 from .distributed import merge_across_ranks
+from .distributed.exchange import all_gather_traceable
 from .quant import amax_scale, quantize
 from .state import AttentionState, merge_states
 
@@ -200,13 +200,6 @@ def _read_config(config) -> tuple:
 _STEP_DIFFERS = ("CPCache: every rank must run the same decode step; layer 0's new keys differ between ranks (the "
                  "tokens fed back part: the generation settings -- sampling and its seed, logits processors -- must "
                  "be the same on every rank)")
-# torch >= 2.13 names the functional one-tensor all-gather all_gather_single; older releases all_gather_tensor
-_funcol_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-
-
-def _all_gather(t: torch.Tensor, group) -> torch.Tensor:
-    """``[W * n]``: ``t [n]`` of every rank of ``group`` (default: the default group), in rank order; traceable."""
-    return _funcol_all_gather(t, 0, group if group is not None else dist.group.WORLD)
 
 
 def _key_sums(key_states) -> torch.Tensor:
@@ -218,7 +211,6 @@ def _key_sums(key_states) -> torch.Tensor:
     total = k.sum(dim=(1, 3), dtype=torch.float32).double()
     weight = torch.arange(1, b * s + 1, device=k.device, dtype=torch.float64).view(b, s) / (b * s)
     return torch.stack([magnitude.sum(), (total * weight).sum(), total.sum()])
-
 
 
 class _Shared:
@@ -242,7 +234,7 @@ class _Shared:
         self.config, self.windows = None, ()  # the model's (text) config and its layers' windows
         self.memo = {}
         self.ahead = False  # decode_ahead runs the loop: a decode step's agreement is read a step late
-        self.pending = collections.deque()  # (flag on the host, event after its copy) of those steps
+        self.pending = collections.deque()  # (flag on the host, event after its copy) of those steps, in the loop
 
     def allocate(self, batch, device) -> None:
         self.batch, self.device = batch, device
@@ -293,7 +285,6 @@ class _Shared:
             self.memo = {}
         if self.world > 1:
             if s > 1 and not _compiling():
-                self.check_pending()
                 self._agree(key_states)
             elif s == 1:
                 self._agree_step(key_states)
@@ -304,8 +295,6 @@ class _Shared:
         weights set) by two sums within 1e-3 of the sum of their magnitudes. Checked at each forward of several
         tokens (the prefill: eager, with a host read already), in one all-gather, so a mismatch raises on every
         rank instead of hanging or giving tokens that differ between ranks."""
-        from .distributed.exchange import all_gather_single
-
         b, hkv, s, d = key_states.shape
         start = -1 if self.host_start is None else self.host_start
         dtypes = FLOAT_DTYPES + FP8_DTYPES
@@ -314,9 +303,7 @@ class _Shared:
         windows = zlib.crc32(repr(self.windows).encode())
         mine = torch.cat([torch.tensor([b, s, start, hkv, d, code, windows], dtype=torch.float64,
                                        device=key_states.device), _key_sums(key_states)])
-        everyone = torch.empty(self.world * mine.numel(), dtype=torch.float64, device=mine.device)
-        all_gather_single(everyone, mine, group=self.group)
-        rows = everyone.view(self.world, -1).tolist()
+        rows = all_gather_traceable(mine, self.group).view(self.world, -1).tolist()
         shapes = [[int(x) for x in row[:5]] for row in rows]
         if any(row != shapes[0] for row in shapes):
             raise ValueError(f"CPCache: every rank must run the same forward; (batch, new tokens, cached length, KV "
@@ -340,9 +327,10 @@ class _Shared:
         before the layer attends and raise ``ValueError`` on every rank; under :func:`decode_ahead` the
         verdict is read a step late (the host must not wait for the GPU), its last ones when the loop ends.
         A traced step asserts on the device (a failure stops the process, as past ``max_cache_len``)."""
-        start = self.start if self.static else torch.tensor(self.host_start, device=key_states.device)
-        mine = torch.cat([start.to(torch.float64).view(1), _key_sums(key_states)])
-        everyone = _all_gather(mine, self.group).view(self.world, -1)
+        start = (self.start.to(torch.float64).view(1) if self.static else
+                 torch.full((1,), float(self.host_start), dtype=torch.float64, device=key_states.device))
+        mine = torch.cat([start, _key_sums(key_states)])
+        everyone = all_gather_traceable(mine, self.group).view(self.world, -1)
         tol = 1e-3 * everyone[:, 1].max() + 1e-30
         bad = (everyone[:, 0] != everyone[0, 0]).any() | ((everyone[:, 2:] - everyone[0, 2:]).abs() > tol).any()
         if _compiling():
@@ -739,7 +727,6 @@ class CPCache(Cache):
             sh.start.zero_()
         sh.host_end = 0
         sh.length, sh.padded, sh.memo = 0, False, {}
-        sh.pending.clear()
         if sh.seq_lens is not None:
             sh.seq_lens.zero_()
         super().reset()

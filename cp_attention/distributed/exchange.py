@@ -28,6 +28,7 @@ import socket
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from .. import _device
 
@@ -36,8 +37,16 @@ from ..ops.merge import merge_states_into
 from ..state import AttentionState, merge_states_torch
 
 EXCHANGES = ("auto", "symm", "collective")
-# torch >= 2.13 names the one-tensor all-gather all_gather_single; older releases all_gather_into_tensor.
+# torch >= 2.13 names the one-tensor all-gather all_gather_single; older releases all_gather_into_tensor
+# (and, among the functional collectives, all_gather_tensor).
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_funcol_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
+
+def all_gather_traceable(t: torch.Tensor, group=None) -> torch.Tensor:
+    """``[W * n]``: ``t [n]`` of every rank of ``group`` (default: the default group), in rank order, through
+    torch's functional collectives: the same call eager and under ``torch.compile``."""
+    return _funcol_all_gather(t, 0, group if group is not None else dist.group.WORLD)
 
 
 class Push:
