@@ -14,6 +14,7 @@ Writes benchmarks/results/fp8_accuracy.json.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -36,7 +37,9 @@ def data(t, device, logit_std, seed=0, b=2, hq=32, hkv=8, d=128):
 
 
 def main():
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    device = ap.parse_args().device
     rows = []
     for t, logit_std in ((1024, 2.0), (16384, 2.0), (1024, 8.0), (16384, 8.0)):
         q, k, v = data(t, device, logit_std)
