@@ -511,18 +511,25 @@ def case_one_rank_rejects(rank, world, *, what):
 
 def case_equal_values_agree(rank, world):
     """Equal values in different forms agree across ranks: a softcap 30 and 30.0, an FP8 scale tensor(0.5) and
-    0.5, segment_ids in int64 and int32."""
+    0.5, one scale as a 0-d tensor and as an [Hkv] tensor, sinks and sm_scale of 0.0 and -0.0, NaN sinks of
+    other payloads, segment_ids in int64 and int32."""
     from cp_attention import quantize_kv
 
     q, k = torch.randn(2, 8, 32), torch.randn(2, 2, 40, 32)
     lens = torch.tensor([40, 7])
-    a = cp_flash_decode(q, k, k, lens, logit_softcap=30 if rank else 30.0)
+    out = [cp_flash_decode(q, k, k, lens, logit_softcap=30 if rank else 30.0)]
     k8, v8, _, _ = quantize_kv(k, k)
     scale = torch.tensor(0.5) if rank else 0.5
-    b = cp_flash_decode(q.bfloat16(), k8, v8, lens, k_scale=scale, v_scale=scale)
+    out.append(cp_flash_decode(q.bfloat16(), k8, v8, lens, k_scale=scale, v_scale=scale))
+    scale = torch.full((2,), 0.25) if rank else torch.tensor(0.25)
+    out.append(cp_flash_decode(q.bfloat16(), k8, v8, lens, k_scale=scale, v_scale=torch.tensor(0.5)))
+    sign = -1.0 if rank else 1.0
+    out.append(cp_flash_decode(q, k, k, lens, sinks=torch.full((8,), sign * 0.0), sm_scale=sign * 0.0))
+    nan = torch.tensor(float("nan")) if rank else -torch.tensor(float("nan"))  # another sign bit, still NaN
+    out.append(cp_flash_decode(q, k, k, lens, sinks=nan.expand(8).clone(), return_lse=True).lse)
     ids = torch.tensor([0, 1, 0])
-    c = cp_cascade_decode(*_grouped_levels(ids.int() if rank else ids))
-    return a, b, c
+    out.append(cp_cascade_decode(*_grouped_levels(ids.int() if rank else ids)))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -743,8 +750,9 @@ def test_one_rank_rejecting_raises_on_every_rank(pool, what, name):
 
 
 def test_equal_values_in_other_forms_agree(pool):
-    (a0, b0, c0), (a1, b1, c1) = pool(2).run(case_equal_values_agree)
-    assert torch.equal(a0, a1) and torch.equal(b0, b1) and torch.equal(c0, c1)
+    first, second = pool(2).run(case_equal_values_agree)
+    assert len(first) == len(second) == 6
+    assert all(torch.equal(a, b) or (torch.isnan(a).all() and torch.isnan(b).all()) for a, b in zip(first, second))
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -902,8 +910,16 @@ def _cache1():
     (lambda: cp_flash_decode(torch.ones(1, 8, 32), torch.ones(1, 2, 4, 32), torch.ones(1, 2, 4, 32), None,
                              row_limits=torch.zeros(1, 1, 2, dtype=torch.int32)), TypeError,
      "cp_flash_decode takes no row_limits .a rank's limits would be positions in its shard"),
+    (lambda: cp_flash_decode(torch.ones(1, 8, 32), torch.ones(1, 2, 4, 32), torch.ones(1, 2, 4, 32), None,
+                             check_metadata=False), ValueError, "group: exchanging attention states across ranks "
+                                                               "needs an initialised process group"),
+    (lambda: merge_across_ranks(AttentionState(torch.ones(2, 8, 32), torch.zeros(2, 8))), ValueError,
+     "group: exchanging attention states"),
+    (lambda: all_gather_states(AttentionState(torch.ones(2, 8, 32), torch.zeros(2, 8)), check_metadata=False),
+     ValueError, "group: exchanging attention states"),
 ], ids=["batch-0", "rank", "dtype", "append-shape", "append-dtype", "append-v-shape", "set-lengths-range",
-        "prefix-too-long", "return-lse", "no-group", "cache-row-limits", "cp-row-limits"])
+        "prefix-too-long", "return-lse", "no-group", "cache-row-limits", "cp-row-limits", "cp-no-group-unchecked",
+        "merge-no-group", "gather-no-group-unchecked"])
 def test_cache_and_cp_decode_reject_bad_input(call, exc, match):
     with pytest.raises(exc, match=match):
         call()

@@ -9,19 +9,20 @@ the states or the merge must be the same on every rank: q's shape and dtype, the
 whose requests read other segments would merge the states of other keys), and for a ``CPKVCache`` the global
 lengths of its sequences (by value: every rank must have appended and rolled back the same tokens). A rank
 whose arguments differ would not hang: it would merge states of another attention and return a wrong
-answer, on some ranks only. The values of ``q`` are not compared (a digest would read ``q`` on the host at
-every step). With
-``check_metadata=True`` (the default) each rank validates its own arguments and all-gather one fixed-size
-vector of int64 words: an ok flag, then each argument's value (floats as their IEEE bits, tensors as a
-64-bit digest of their bytes). A rank that rejected its arguments raises its own error, the others raise
-naming it; a word that differs raises on every rank naming the argument. The collective syncs with the
-host (it reads tensor values), so it is skipped while a CUDA graph is being captured: a replay costs
-nothing, and the eager calls before the capture (the warm-up) have checked the same arguments. A
-:class:`~cp_attention.distributed.CPKVCache` checks its ``rank``/``world_size`` against its group once, when
-it is built, and :func:`~cp_attention.distributed.merge_across_ranks` / ``all_gather_states`` compare the state's
-shape and dtype (``check_metadata``). The checks a call makes before its collective run inside it, so a rank that
-rejects an argument still reaches the collective and every rank raises; only ``check_metadata`` itself must be the
-same on every rank (a rank that skips the collective cannot tell the others).
+answer, on some ranks only. The values of ``q`` are not compared (a digest would read ``q`` on the host at every
+step). With ``check_metadata=True`` (the default) each rank validates its own arguments and all-gather one
+fixed-size vector of int64 words: an ok flag, then each argument's value (floats as the IEEE bits of their
+float64 value, tensors as a 64-bit digest of their values as float64; ``-0.0`` counts as ``0.0`` and every NaN
+as one, and an FP8 scale as its value per KV head, so a float, a 0-d tensor and an ``[Hkv]`` tensor of one value
+agree; ``tensor(0.01)``, a float32 number, is not the float ``0.01``). A rank that rejected its arguments raises
+its own error, the others raise naming it; a word that differs raises on every rank naming the argument. The
+collective syncs with the host (it reads tensor values), so it is skipped while a CUDA graph is being captured:
+a replay costs nothing, and the eager calls before the capture (the warm-up) have checked the same arguments. A
+:class:`~cp_attention.distributed.CPKVCache` checks its ``rank``/``world_size`` against its group once, when it
+is built, and :func:`~cp_attention.distributed.merge_across_ranks` / ``all_gather_states`` compare the state's
+shape and dtype (``check_metadata``). The checks a call makes before its collective run inside it, so a rank
+that rejects an argument still reaches the collective and every rank raises; only ``check_metadata`` itself must
+be the same on every rank (a rank that skips the collective cannot tell the others).
 """
 from __future__ import annotations
 
@@ -65,17 +66,22 @@ def value_word(x) -> int:
     return int(x) + 1
 
 
-def real_word(x) -> int:
+def real_word(x, per: int | None = None) -> int:
     """The word of an optional real argument, the same for equal values in any form: 0 for None, the value's
-    bits as a float64 (``30`` and ``30.0`` agree; so do ``tensor(0.5)`` and ``0.5``), a tensor of several values
-    by the digest of its values as float64."""
+    bits as a float64 (``30`` and ``30.0`` agree; so do ``tensor(0.5)`` and ``0.5``, ``-0.0`` and ``0.0``, and any
+    two NaNs), a tensor of several values by the digest of its values as float64. ``per``: the value is one
+    per KV head (an FP8 scale), a single value standing for all ``per`` of them."""
     if x is None:
         return 0
-    if isinstance(x, torch.Tensor):
-        word = _bits(x.item()) if x.numel() == 1 else _digest(x.detach().double())
-    else:
-        word = _bits(x)
+    values = x.detach().double().reshape(-1) if isinstance(x, torch.Tensor) else torch.tensor([float(x)],
+                                                                                               dtype=torch.float64)
+    if per is not None and values.numel() == 1:
+        values = values.expand(per)
+    values = values + 0.0  # -0.0 + 0.0 is 0.0
+    values = torch.where(torch.isnan(values), math.nan, values)
+    word = _bits(values.item()) if values.numel() == 1 else _digest(values)
     return word or 1  # 0.0's bits are 0, None's word
+
 
 
 def _collective_device(group) -> torch.device:
@@ -131,10 +137,10 @@ def decode_meta(q, k_shard, v_shard, seq_lens_shard, kwargs, row_limits, window_
     sm_scale = kwargs.get("sm_scale")
     split_size = kwargs.get("split_size")
     words = [q.shape[0], geo.q_rows, q.shape[-2], d, _DTYPE_CODES[q.dtype], geo.hkv,
-             _bits(1.0 / math.sqrt(d) if sm_scale is None else sm_scale), value_word(split_size),
+             real_word(1.0 / math.sqrt(d) if sm_scale is None else sm_scale), value_word(split_size),
              split_slots(split_size, geo.t_max), value_word(window_left), real_word(kwargs.get("logit_softcap")),
-             real_word(kwargs.get("k_scale")), real_word(kwargs.get("v_scale")), real_word(kwargs.get("sinks")), 0, 0,
-             value_word(global_lens)]
+             real_word(kwargs.get("k_scale"), geo.hkv), real_word(kwargs.get("v_scale"), geo.hkv),
+             real_word(kwargs.get("sinks")), 0, 0, value_word(global_lens)]
     return words, geo
 
 
@@ -143,11 +149,11 @@ def cascade_meta(q, checked, kwargs) -> list:
     d = q.shape[-1]
     sm_scale = kwargs.get("sm_scale")
     kinds = hashlib.blake2b(repr([lv.kind for lv in checked]).encode(), digest_size=8).digest()
-    return [q.shape[0], q.shape[1] if q.dim() == 4 else 1, q.shape[-2], d, _DTYPE_CODES[q.dtype],
-            checked[0].lvl.k.shape[2 if checked[0].lvl.block_table is not None else 1],
-            _bits(1.0 / math.sqrt(d) if sm_scale is None else sm_scale), 0, 0, 0,
-            real_word(kwargs.get("logit_softcap")), real_word(kwargs.get("k_scale")),
-            real_word(kwargs.get("v_scale")), real_word(kwargs.get("sinks")), struct.unpack("<q", kinds)[0],
+    hkv = checked[0].lvl.k.shape[2 if checked[0].lvl.block_table is not None else 1]
+    return [q.shape[0], q.shape[1] if q.dim() == 4 else 1, q.shape[-2], d, _DTYPE_CODES[q.dtype], hkv,
+            real_word(1.0 / math.sqrt(d) if sm_scale is None else sm_scale), 0, 0, 0,
+            real_word(kwargs.get("logit_softcap")), real_word(kwargs.get("k_scale"), hkv),
+            real_word(kwargs.get("v_scale"), hkv), real_word(kwargs.get("sinks")), struct.unpack("<q", kinds)[0],
             segments_word(checked), 0]
 
 

@@ -220,6 +220,9 @@ def _p2p_capable(group) -> bool:
 
 def exchange_for(group) -> CollectiveExchange:
     """The exchange of ``group`` (decided at its first call, see Note [Exchanges])."""
+    if not dist.is_initialized():  # else a cached exchange of a destroyed group, or an AttributeError of None
+        raise ValueError("group: exchanging attention states across ranks needs an initialised process group "
+                         "(torch.distributed.init_process_group)")
     exchange = _IN_USE.get(group)
     if exchange is not None:
         return exchange
