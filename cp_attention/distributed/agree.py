@@ -83,7 +83,6 @@ def real_word(x, per: int | None = None) -> int:
     return word or 1  # 0.0's bits are 0, None's word
 
 
-
 def _collective_device(group) -> torch.device:
     backend = str(dist.get_backend(group))
     if "nccl" in backend and "gloo" not in backend:
