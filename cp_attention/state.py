@@ -106,23 +106,29 @@ def merge_states(o: torch.Tensor, lse: torch.Tensor, *, out_dtype: torch.dtype |
     >>> merge_states(o, torch.zeros(2, 1)).o
     tensor([[0.5000, 0.5000]])
     """
-    check_inference("merge_states", ("o", "lse", "sinks"), o, lse, sinks)
     if torch.compiler.is_compiling():  # Dynamo traces: the op (Note [Custom ops under torch.compile], _library.py)
+        check_inference("merge_states", ("o", "lse", "sinks"), o, lse, sinks)
         return _library.merge_states(o, lse, _check_merge(o, lse, out_dtype, sinks), sinks)
     key = None
-    if o.__class__ is torch.Tensor and lse.__class__ is torch.Tensor and o.is_cuda:
+    if (o.__class__ is torch.Tensor and lse.__class__ is torch.Tensor and o.is_cuda
+            and (sinks is None or sinks.__class__ is torch.Tensor)):
+        # CUDA device indices: a key stored by a validated call holds indices >= 0, so only tensors on those
+        # devices hit it (cheaper to read than .device)
         op, lp = o.data_ptr(), lse.data_ptr()
-        key = (o.shape, o.stride(), o.dtype, o.device, op & 15, lse.shape, lse.stride(), lse.device, lp & 15, out_dtype,
-               None if sinks is None else (sinks.__class__, sinks.shape, sinks.stride(), sinks.dtype, sinks.device,
-                                           sinks.data_ptr() & 15))
+        key = (o.shape, o.stride(), o.dtype, o.get_device(), op & 15, lse.shape, lse.stride(), lse.get_device(),
+               lp & 15, out_dtype, None if sinks is None else (sinks.shape, sinks.stride(),
+                                                             sinks.dtype, sinks.get_device(), sinks.data_ptr() & 15))
         prep = _MERGE_PREPARED.get(key)
-        if prep is not None:
+        # an input that requires grad goes to check_inference below, which raises
+        if prep is not None and not (torch.is_grad_enabled() and (
+                o.requires_grad or lse.requires_grad or (sinks is not None and sinks.requires_grad))):
             out_o = _device.new_buffer(prep.o_shape, prep.out_dtype, prep.device)
             out_lse = _device.new_buffer(prep.lse_shape, torch.float32, prep.device)
             prep.launcher.launch_ptrs(torch._C._cuda_getCurrentRawStream(prep.cuda),
                                       (op, lp, lp if sinks is None else sinks.data_ptr(), out_o.data_ptr(),
                                        out_lse.data_ptr(), lp))
             return AttentionState(out_o, out_lse)
+    check_inference("merge_states", ("o", "lse", "sinks"), o, lse, sinks)
     out_dtype = _check_merge(o, lse, out_dtype, sinks)
     n, d = o.shape[0], o.shape[-1]
     lead = tuple(o.shape[1:-1])

@@ -478,6 +478,20 @@ def test_long_cache_against_float64(dtype, hq, hkv, d):
     torch.testing.assert_close(got.lse.double(), ref.lse, atol=1e-3, rtol=1e-5)
 
 
+def test_merge_prepared_launch_still_refuses_grad():
+    """A key prepared by a valid call does not let an input that requires grad through (nor one under
+    no_grad be refused)."""
+    o, lse = torch.randn(2, 3, 5, 64, device="cuda"), torch.randn(2, 3, 5, device="cuda")
+    ref = merge_states(o, lse)
+    with pytest.raises(ValueError, match=r"^merge_states is an inference op: o requires grad"):
+        merge_states(o.clone().requires_grad_(), lse)
+    with pytest.raises(ValueError, match=r"^merge_states is an inference op: lse requires grad"):
+        merge_states(o, lse.clone().requires_grad_())
+    with torch.no_grad():
+        got = merge_states(o.clone().requires_grad_(), lse)
+    assert torch.equal(got.o, ref.o) and torch.equal(got.lse, ref.lse)
+
+
 @pytest.mark.parametrize("n", [2, 8, 32])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=lambda d: str(d)[6:])
 def test_merge_kernel_on_gpu_against_float64(n, dtype):
