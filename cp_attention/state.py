@@ -106,11 +106,9 @@ def merge_states(o: torch.Tensor, lse: torch.Tensor, *, out_dtype: torch.dtype |
     >>> merge_states(o, torch.zeros(2, 1)).o
     tensor([[0.5000, 0.5000]])
     """
-    if torch.compiler.is_compiling():  # Dynamo traces: the op (Note [Custom ops under torch.compile], _library.py)
-        check_inference("merge_states", ("o", "lse", "sinks"), o, lse, sinks)
-        return _library.merge_states(o, lse, _check_merge(o, lse, out_dtype, sinks), sinks)
+    compiling = torch.compiler.is_compiling()
     key = None
-    if (o.__class__ is torch.Tensor and lse.__class__ is torch.Tensor and o.is_cuda
+    if (not compiling and o.__class__ is torch.Tensor and lse.__class__ is torch.Tensor and o.is_cuda
             and (sinks is None or sinks.__class__ is torch.Tensor)):
         # CUDA device indices: a key stored by a validated call holds indices >= 0, so only tensors on those
         # devices hit it (cheaper to read than .device)
@@ -119,7 +117,7 @@ def merge_states(o: torch.Tensor, lse: torch.Tensor, *, out_dtype: torch.dtype |
                lp & 15, out_dtype, None if sinks is None else (sinks.shape, sinks.stride(),
                                                              sinks.dtype, sinks.get_device(), sinks.data_ptr() & 15))
         prep = _MERGE_PREPARED.get(key)
-        # an input that requires grad goes to check_inference below, which raises
+        # an input that requires grad goes on to check_inference, which raises
         if prep is not None and not (torch.is_grad_enabled() and (
                 o.requires_grad or lse.requires_grad or (sinks is not None and sinks.requires_grad))):
             out_o = _device.new_buffer(prep.o_shape, prep.out_dtype, prep.device)
@@ -129,6 +127,8 @@ def merge_states(o: torch.Tensor, lse: torch.Tensor, *, out_dtype: torch.dtype |
                                        out_lse.data_ptr(), lp))
             return AttentionState(out_o, out_lse)
     check_inference("merge_states", ("o", "lse", "sinks"), o, lse, sinks)
+    if compiling:  # Dynamo traces: the op (Note [Custom ops under torch.compile], _library.py)
+        return _library.merge_states(o, lse, _check_merge(o, lse, out_dtype, sinks), sinks)
     out_dtype = _check_merge(o, lse, out_dtype, sinks)
     n, d = o.shape[0], o.shape[-1]
     lead = tuple(o.shape[1:-1])
