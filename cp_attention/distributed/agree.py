@@ -73,6 +73,9 @@ def real_word(x, per: int | None = None) -> int:
     per KV head (an FP8 scale), a single value standing for all ``per`` of them."""
     if x is None:
         return 0
+    if not isinstance(x, torch.Tensor) and (per is None or per == 1):  # a plain number: no tensor ops
+        value = float(x) + 0.0  # -0.0 + 0.0 is 0.0
+        return _bits(math.nan if value != value else value) or 1
     values = x.detach().double().reshape(-1) if isinstance(x, torch.Tensor) else torch.tensor([float(x)],
                                                                                                dtype=torch.float64)
     if per is not None and values.numel() == 1:
