@@ -37,11 +37,33 @@ import triton.testing
 from tqdm import tqdm  # noqa: F401  (the progress bar of every script)
 
 RESULTS = Path(__file__).resolve().parent / "results"
-# What a plain Triton streaming read of 4 GB reaches on an H200: a reference for TB/s, not a ceiling (the best
-# decode kernels read faster)
-STREAM_READ_TBS = 4.47
+# References for TB/s by GPU name (read_references): the datasheet's HBM bandwidth, and what a plain Triton
+# streaming read of 4 GB reached where it was measured (not a ceiling: the best decode kernels read faster)
+HBM_PEAK_TBS = {"H100 80GB HBM3": 3.35, "H200": 4.8}
+STREAM_READ_TBS = {"H200": 4.47}
 GRAPH_CALLS = 20  # calls captured in one CUDA graph by bench_graph
 MIN_RUNS = 25  # timed runs behind every median, however long one run takes
+
+
+def read_references(gpu: str | None = None) -> dict:
+    """``{"hbm_peak_TBs", "stream_read_TBs"}`` of the GPU named ``gpu`` (default: device 0's name), ``None``
+    where this file holds no figure for it."""
+    if gpu is None:
+        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
+
+    def pick(table):
+        return next((v for k, v in table.items() if k in gpu), None)
+
+    return {"hbm_peak_TBs": pick(HBM_PEAK_TBS), "stream_read_TBs": pick(STREAM_READ_TBS)}
+
+
+def draw_references(ax, refs: dict) -> None:
+    """Dashed lines at the known TB/s references ``refs`` (:func:`read_references`) of a plot's GPU."""
+    if refs.get("hbm_peak_TBs"):
+        ax.axhline(refs["hbm_peak_TBs"], color="k", lw=0.8, ls="-.", label=f"HBM peak {refs['hbm_peak_TBs']} TB/s")
+    if refs.get("stream_read_TBs"):
+        ax.axhline(refs["stream_read_TBs"], color="k", lw=0.8, ls="--",
+                   label=f"Triton streaming read {refs['stream_read_TBs']} TB/s")
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
 # Largest max |o - o_cp_attention| counted as agreement, by the dtype of the compared cache (bf16 as the

@@ -48,8 +48,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import peers  # noqa: E402
 from benchmarks._harness import (  # noqa: E402
-    DTYPES, GRAPH_CALLS, STREAM_READ_TBS, RESULTS, TOLERANCES, bench_call, bench_graph, kernel_names,
-    max_abs_diff, table, tbs, tqdm, write_json, write_tables,
+    DTYPES, GRAPH_CALLS, RESULTS, TOLERANCES, bench_call, bench_graph, draw_references, kernel_names,
+    max_abs_diff, read_references, table, tbs, tqdm, write_json, write_tables,
 )
 
 
@@ -133,7 +133,9 @@ def measure(name, q, k, v, ref, row, kv_bytes, dtype):
             us = bench(fn)
             row[f"{name}_{mode}_us"] = us
             row[f"{name}_{mode}_TBs"] = tbs(nbytes, us)
-        row[f"{name}_graph_vs_stream"] = row[f"{name}_graph_TBs"] / STREAM_READ_TBS
+        stream = read_references()["stream_read_TBs"]
+        if stream:
+            row[f"{name}_graph_vs_stream"] = row[f"{name}_graph_TBs"] / stream
     except Exception as e:  # a failing peer must not lose the other numbers
         row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:400]
         tqdm.write(f"[B={row['B']} T={row['T']} {row['heads']}] {name}: {row[f'{name}_error']}", file=sys.stderr)
@@ -181,7 +183,7 @@ def run_case(case, args, dtype):
     return row
 
 
-def plot(rows, impls, path):
+def plot(rows, impls, path, refs):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -205,7 +207,7 @@ def plot(rows, impls, path):
                     label = f"{name} ({'graph' if mode == 'graph' else 'per call'})"
                     ax.plot(*zip(*pts), "o" + ("" if other else style), color=f"C{i}",
                             mfc="none" if mode == "call" else None, label=label)
-        ax.axhline(STREAM_READ_TBS, color="k", lw=0.8, ls="--", label=f"Triton streaming read {STREAM_READ_TBS} TB/s")
+        draw_references(ax, refs)
         if other:
             ax.set_xticks(xs, labels, fontsize=6, rotation=60)
         else:
@@ -269,7 +271,7 @@ def main():
     todo = cases(args)
     rows, not_run = [], []
     config = {"dtype": args.dtype, "impls": args.impls, "graph_calls": GRAPH_CALLS,
-              "stream_read_TBs": STREAM_READ_TBS, "xqa_page_size": 64,
+              **read_references(), "xqa_page_size": 64,
               "fa2_page_size": 16,
               "timing": "triton.testing.do_bench median (L2 flushed before each call / each graph replay)"}
     for case in tqdm(todo, desc="decode shapes"):
@@ -282,7 +284,7 @@ def main():
     json_path = write_json(args.name, {"config": config, "rows": rows, "not_run": not_run})
     png = RESULTS / f"{args.name}.png"
     if rows:
-        plot(rows, args.impls, png)
+        plot(rows, args.impls, png, read_references())
 
     for r in rows:
         where = f"B={r['B']} T={tokens_str(r['T'])} {r['heads']}"

@@ -24,7 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import peers  # noqa: E402
 from benchmarks._harness import (  # noqa: E402
-    RESULTS, STREAM_READ_TBS, bench_call, bench_graph, max_abs_diff, table, tbs, tqdm, write_json, write_tables,
+    RESULTS, bench_call, bench_graph, draw_references, max_abs_diff, read_references, table, tbs, tqdm, write_json,
+    write_tables,
 )
 from cp_attention import lse_from_base2, merge_states  # noqa: E402
 
@@ -54,7 +55,7 @@ def measure(name, o, lse, ref, row, nbytes):
         tqdm.write(f"[{row['dtype']} N={row['N']}] {name}: {row[f'{name}_error']}", file=sys.stderr)
 
 
-def plot(rows, path):
+def plot(rows, path, refs):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -70,7 +71,7 @@ def plot(rows, path):
                 if pts:
                     label = f"{name} ({'graph' if mode == 'graph' else 'per call'})"
                     ax.plot(*zip(*pts), style, color=f"C{i}", label=label)
-        ax.axhline(STREAM_READ_TBS, color="k", ls="--", lw=0.8, label="Triton streaming read")
+        draw_references(ax, refs)
         ax.set_xscale("log", base=2)
         ax.set(xlabel="states merged N", title=f"o in {dt}")
         ax.grid(alpha=0.3)
@@ -101,10 +102,10 @@ def main():
         rows.append(row)
         del o, lse, ref
         torch.cuda.empty_cache()
-    path = write_json("bench_merge", {"config": {"B": b, "H": h, "D": d, "stream_read_TBs": STREAM_READ_TBS},
+    path = write_json("bench_merge", {"config": {"B": b, "H": h, "D": d, **read_references()},
                                       "rows": rows})
     png = RESULTS / "bench_merge.png"
-    plot(rows, png)
+    plot(rows, png, read_references())
     for r in rows:
         for key, val in r.items():
             if key.endswith("_error"):
