@@ -72,8 +72,8 @@ class CascadeLevel(NamedTuple):
     """One level of a cascade KV cache.
 
     ``k``, ``v``: ``[S, Hkv, T, D]`` (HND; unit stride in D), the ``S`` segments of this level, q's dtype
-    and device; or, with ``block_table``, page pools ``[P, page_size, Hkv, D]`` (the vLLM / FlashInfer
-    layout). ``seq_lens``: ``[S]`` int32/int64, valid length of each segment (``None``: all ``T``;
+    (or FP8, with ``cascade_decode``'s ``k_scale``/``v_scale``) and device; or, with ``block_table``, page
+    pools ``[P, page_size, Hkv, D]`` (the vLLM / FlashInfer layout). ``seq_lens``: ``[S]`` int32/int64, valid length of each segment (``None``: all ``T``;
     required with ``block_table``). ``segment_ids``: ``[B]`` int32/int64, the segment each request reads;
     ``None`` when ``S == 1`` (every request reads it) or ``S == B`` (request ``b`` reads segment ``b``).
     ``block_table``: ``[S, max_pages]`` int32/int64: position ``p`` of segment ``s`` lives in page
@@ -92,7 +92,9 @@ def cascade_decode(q, levels, *, sm_scale=None, k_scale=None, v_scale=None, logi
     """Exact decode attention over a cache stored in levels of shared and per-request segments.
 
     Equals :func:`cp_attention.flash_decode` over, per request, the concatenation of its segments of
-    every level (in any order: attention does not depend on the order of the keys), while a shared
+    every level (with one query row, in any order: attention does not depend on the order of the keys;
+    with ``Q`` draft rows, the causal rule applies to the last level, which then holds the request's own
+    tokens, at least ``Q`` of them, and comes last in the concatenation), while a shared
     segment's K/V is read once for all the requests that share it
     (Note [Cascade attention]).
 
@@ -100,7 +102,7 @@ def cascade_decode(q, levels, *, sm_scale=None, k_scale=None, v_scale=None, logi
         q: ``[B, Hq, D]``, or ``[B, Q, Hq, D]`` (``Q <= 16`` new tokens per request, the causal rule on
             the last level), float16, bfloat16 or float32; last dim contiguous; ``D`` a multiple of 8 in
             ``[32, 256]``.
-        levels: non-empty list of :class:`CascadeLevel`; every level has q's dtype, device, head dim and
+        levels: non-empty list of :class:`CascadeLevel`; every level has q's dtype (or FP8), device, head dim and
             the same ``Hkv`` (``Hq % Hkv == 0``: query head ``h`` reads KV head ``h // (Hq // Hkv)``).
             ``seq_lens``, ``segment_ids`` and the used pages of ``block_table`` are checked on the host
             for CPU tensors; on the GPU they are clamped to their range.
@@ -114,7 +116,8 @@ def cascade_decode(q, levels, *, sm_scale=None, k_scale=None, v_scale=None, logi
 
     Returns:
         ``o`` of q's shape and dtype, or ``AttentionState(o, lse of shape q.shape[:-1] float32, natural
-        log)`` with ``return_lse=True``. A row that reads no key gets ``o = 0``, ``lse = -inf``. CUDA
+        log)`` with ``return_lse=True``. A row that reads no key gets ``o = 0``, ``lse = -inf`` (with
+        ``sinks``, ``lse`` = its head's sink). CUDA
         tensors run the Triton kernels (no host sync); CPU tensors run them under ``TRITON_INTERPRET=1``,
         else the float32 torch path.
 

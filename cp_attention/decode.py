@@ -183,10 +183,12 @@ def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num
         block_table: ``[B, max_pages]`` int32 or int64 (any strides): token ``p`` of request ``b`` lives in page
             ``block_table[b, p // page_size]``, slot ``p % page_size``. The pages that ``seq_lens`` reach
             are checked to lie in the pool for CPU tensors; on the GPU they are clamped into it.
-        sm_scale: score scale (default ``1 / sqrt(D)``); a real number finite in float32. Scores are float32:
+        sm_scale: score scale (default ``1 / sqrt(D)``); a real number finite in float32 (else
+            ``TypeError``). Scores are float32:
             where ``sm_scale * q.k`` passes the float32 range the output is NaN.
         num_splits: ``None`` for the tuned policy (decided from shapes and ``T_max``, or the window), or a
-            fixed count (``1`` = no split; capped at the number of KV tiles).
+            fixed count (``1`` = no split), capped at the number of KV tiles ``n`` and rounded to the splits of
+            ``ceil(n / min(num_splits, n))`` tiles each: ``ceil(n / that)`` splits run.
         split_size: ``S`` (int, a multiple of 16): deterministic splits. Every split covers the absolute
             positions ``[j * S, (j + 1) * S)`` and the splits merge in a fixed order, so a request's output
             is bitwise identical whatever batch it runs in, whatever the cache capacity and the number of
@@ -211,8 +213,8 @@ def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num
             and a row that sees no key gets ``o = 0``, ``lse = sink``.
         return_lse: also return the natural-log LSE.
         out: where to write: a tensor of q's shape (q's dtype or float32, unit stride in D), or an
-            ``AttentionState(o, lse of shape q.shape[:-1] float32)``; any strides. Then no output is
-            allocated.
+            ``AttentionState(o, lse of shape q.shape[:-1] float32)``; any strides that do not overlap. Then no
+            output is allocated.
         plan: a :class:`cp_attention.heuristics.DecodePlan` to run instead of the policy's.
         row_limits: ``[B, Q, 2]`` int32/int64 on q's device (``Q = 1`` for a 3-dim ``q``): row ``i`` of
             request ``b`` sees exactly the cache positions ``row_limits[b, i, 0] <= p < row_limits[b, i, 1]``

@@ -408,7 +408,8 @@ class CPCacheLayer(CacheLayerMixin):
     """One layer of a :class:`CPCache`: this rank's interleaved shard of the layer's K/V.
 
     Attributes (after the first update):
-        keys, values: dense: ``[B, Hkv, capacity, D]`` (the local slots, HND); paged: page pools
+        keys, values: dense: ``[B, Hkv, slots, D]`` (HND; ``capacity`` local slots when preallocated, else the
+            grown allocation; the valid ones: ``seq_lens``); paged: page pools
             ``[num_pages, page_size, Hkv, D]`` (NHD) read through :attr:`block_table`.
         block_table: ``[B, pages]`` int32 (paged), else ``None``.
         k_scale, v_scale: ``[Hkv]`` float32 dequantisation scales of an FP8 layer, else ``None``.
@@ -651,8 +652,8 @@ class CPCache(Cache):
             ``torch.float8_e5m2``: FP8 shards. Each layer's scales (one per KV head, float32) come from the
             amax of that layer's first update -- the prefill, whose K/V every rank computes whole, so the
             scales agree on every rank -- mapped to the format's largest value; they stay fixed afterwards
-            and decode tokens are quantised with saturation. Queries of float32 models are rounded to
-            bfloat16 for FP8 attention.
+            and decode tokens are quantised with saturation. At decode steps the queries of float32 models are
+            rounded to bfloat16 for FP8 attention; a prefill attends in float32 against dequantised K/V.
         device: where the shards live (default: the device of the first K/V).
 
     ``get_seq_length()`` is the global, padded length (what a ``DynamicCache`` reports). The left padding of

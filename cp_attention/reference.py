@@ -27,7 +27,7 @@ def attention(q, k, v, seq_lens=None, *, sm_scale=None, kv_layout="HND", row_lim
             (and ``p < seq_len``) instead of the causal rule; or ``[B, Q, 2]``: the positions
             ``row_limits[b, i, 0] <= p < row_limits[b, i, 1]``.
         window_left: row ``i`` (at position ``seq_len - Q + i``) sees only positions ``>= seq_len - Q + i -
-            window_left``.
+            window_left`` (with ``[B, Q]`` row limits ``L``: ``>= L - 1 - window_left``; refused with ``[B, Q, 2]``).
         logit_softcap: scores ``c * tanh(s / c)``.
         sinks: ``[Hq]``: one extra logit per query head in the softmax denominator, with no value.
 
@@ -55,6 +55,8 @@ def attention(q, k, v, seq_lens=None, *, sm_scale=None, kv_layout="HND", row_lim
     valid = pos[None, :] < lens[:, None]  # [B, T]: positions holding keys
     lows = None
     if row_limits is not None and row_limits.dim() == 3:
+        if window_left is not None:
+            raise ValueError("window_left must be None with row_limits [B, Q, 2] (the limits fix both ends)")
         lows, limits = row_limits[..., 0].to(k.device).long(), row_limits[..., 1].to(k.device).long()
     elif row_limits is not None:
         limits = row_limits.to(k.device).long()

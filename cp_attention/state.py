@@ -113,8 +113,8 @@ def merge_states(o: torch.Tensor, lse: torch.Tensor, *, out_dtype: torch.dtype |
         # CUDA device indices: a key stored by a validated call holds indices >= 0, so only tensors on those
         # devices hit it (cheaper to read than .device)
         op, lp = o.data_ptr(), lse.data_ptr()
-        key = (o.shape, o.stride(), o.dtype, o.get_device(), op & 15, lse.shape, lse.stride(), lse.get_device(),
-               lp & 15, out_dtype, None if sinks is None else (sinks.shape, sinks.stride(),
+        key = (o.shape, o.stride(), o.dtype, o.get_device(), op & 15, lse.shape, lse.stride(), lse.dtype,
+               lse.get_device(), lp & 15, out_dtype, None if sinks is None else (sinks.shape, sinks.stride(),
                                                              sinks.dtype, sinks.get_device(), sinks.data_ptr() & 15))
         prep = _MERGE_PREPARED.get(key)
         # an input that requires grad goes on to check_inference, which raises

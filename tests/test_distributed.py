@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 from cp_attention import AttentionState, flash_decode, merge_states
 from cp_attention.distributed import (CPKVCache, all_gather_states, cp_cascade_decode, cp_flash_decode,
-                                     merge_across_ranks, shard_kv)
+                                     merge_across_ranks, set_exchange, shard_kv)
 from cp_attention.distributed.agree import FIELDS
 from cp_attention.reference import attention
 from cp_attention.state import AttentionState
@@ -680,7 +680,6 @@ def test_cache_appends_equal_unsharded(pool, world, case, interpret):
 def case_exchange_choice(rank, world):
     """On gloo the exchange is the collective one whatever is asked, "symm" raises on every rank, and a bad
     name raises before anything is exchanged."""
-    from cp_attention.distributed import set_exchange
     from cp_attention.distributed.exchange import CollectiveExchange, exchange_for
 
     with pytest.raises(ValueError, match="kind must be one of"):
@@ -917,9 +916,15 @@ def _cache1():
      "group: exchanging attention states"),
     (lambda: all_gather_states(AttentionState(torch.ones(2, 8, 32), torch.zeros(2, 8)), check_metadata=False),
      ValueError, "group: exchanging attention states"),
+    (lambda: set_exchange("collective"), ValueError, "group: exchanging attention states"),
+    (lambda: _cache1().decode(torch.ones(1, 8, 32), out=torch.empty(1, 8, 32)), TypeError,
+     "CPKVCache.decode takes no out"),
+    (lambda: _cache1().append(torch.ones(1, 3, 32), torch.ones(1, 3, 32)), ValueError,
+     r"got \(1, 3, 32\)$"),
 ], ids=["batch-0", "rank", "dtype", "append-shape", "append-dtype", "append-v-shape", "set-lengths-range",
         "prefix-too-long", "return-lse", "no-group", "cache-row-limits", "cp-row-limits", "cp-no-group-unchecked",
-        "merge-no-group", "gather-no-group-unchecked"])
+        "merge-no-group", "gather-no-group-unchecked", "set-exchange-no-group", "cache-out-one-process",
+        "append-shape-as-given"])
 def test_cache_and_cp_decode_reject_bad_input(call, exc, match):
     with pytest.raises(exc, match=match):
         call()

@@ -492,6 +492,17 @@ def test_merge_prepared_launch_still_refuses_grad():
     assert torch.equal(got.o, ref.o) and torch.equal(got.lse, ref.lse)
 
 
+@pytest.mark.parametrize("lse_dtype", [torch.float16, torch.bfloat16, torch.float64], ids=str)
+def test_merge_prepared_launch_keys_the_lse_dtype(lse_dtype):
+    """A key prepared by a float32 lse does not let an lse of another dtype (same shape and strides) through
+    to the kernel, which reads float32."""
+    o, lse = torch.randn(2, 3, 5, 64, device="cuda"), torch.randn(2, 3, 5, device="cuda")
+    merge_states(o, lse)
+    merge_states(o, lse)
+    with pytest.raises(TypeError, match=r"^lse must have dtype"):
+        merge_states(o, lse.to(lse_dtype))
+
+
 @pytest.mark.parametrize("n", [2, 8, 32])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=lambda d: str(d)[6:])
 def test_merge_kernel_on_gpu_against_float64(n, dtype):

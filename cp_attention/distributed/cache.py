@@ -221,9 +221,8 @@ class CPKVCache:
         for name, t in (("k_new", k_new), ("v_new", v_new)):
             check_tensor(name, t, dtypes=dtypes, device=self._k.device)
             check_unit_stride(name, t)
-            if t.dim() == 3:
-                t = t.unsqueeze(1)
-            if t.dim() != 4 or t.shape[0] != b or tuple(t.shape[2:]) != (hkv, d):
+            t4 = t.unsqueeze(1) if t.dim() == 3 else t
+            if t4.dim() != 4 or t4.shape[0] != b or tuple(t4.shape[2:]) != (hkv, d):
                 raise ValueError(f"{name} must have shape [{b}, {hkv}, {d}] or [{b}, Q, {hkv}, {d}] "
                                  f"([B, Hkv, D] or [B, Q, Hkv, D]), got {tuple(t.shape)}")
         if k_new.shape != v_new.shape:
@@ -278,7 +277,8 @@ class CPKVCache:
         """Attention of ``q [B, Hq, D]``, or ``q [B, Q, Hq, D]`` with the causal rule in global positions,
         over the cache, merged across the ranks (all ranks call it); ``kwargs`` as in
         :func:`cp_flash_decode`, plus ``window_left`` (in global positions, as in :func:`flash_decode`); not
-        ``row_limits``, ``block_table``, ``kv_layout``, ``k_scale``, ``v_scale``, which the cache sets itself."""
+        ``row_limits``, ``block_table``, ``kv_layout``, ``k_scale``, ``v_scale``, which the cache sets itself,
+        nor ``out`` (``TypeError``), with or without a process group."""
         check_metadata = kwargs.pop("check_metadata", True)
         window = kwargs.pop("window_left", None)
 
@@ -341,7 +341,8 @@ class CPKVCache:
 # What CPKVCache.decode sets itself, and why a caller cannot pass it.
 CACHE_OWN = {**{name: "the cache has its own" for name in ("block_table", "kv_layout", "k_scale", "v_scale")},
              "row_limits": "the cache derives every row's limits on this rank from its global lengths: the causal "
-                           "rule of several query rows and window_left"}
+                           "rule of several query rows and window_left",
+             "out": "the local state goes into the exchange buffer across ranks"}
 
 
 def _raiser(exc: Exception):

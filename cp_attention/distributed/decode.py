@@ -139,7 +139,8 @@ def merge_across_ranks(state, group=None, *, check_metadata=True) -> AttentionSt
 
 def init_distributed(device_type: str = "cuda", timeout_s: float = 600.0) -> torch.device:
     """Join the default process group of a ``torchrun`` launch: NCCL on this rank's GPU (``LOCAL_RANK``,
-    NVLink multicast left off) or gloo on the CPU. Returns the device this rank computes on.
+    NVLink multicast off unless the environment sets ``NCCL_NVLS_ENABLE``/``TORCH_SYMM_MEM_DISABLE_MULTICAST``)
+    or gloo on the CPU. Returns the device this rank computes on.
 
     Under ``torchrun --nproc-per-node=<GPUs>``:
 
@@ -266,10 +267,11 @@ def cp_flash_decode(q, k_shard, v_shard, seq_lens_shard, *, group=None, check_me
         group: the process group (default: the world).
         check_metadata: check every argument once and all-gather what must be equal on every rank (q's shape
             and dtype, the KV heads, ``sm_scale``, ``split_size``, ``logit_softcap``, ``sinks`` and the FP8
-            scales, by value): a mismatch, or an argument any rank rejected, raises ``ValueError`` on every
-            rank naming it, instead of a hang or a wrong merge (Note [Agreement across ranks] in
-            ``distributed/agree.py``). It syncs with the host, and is skipped while a CUDA graph is captured;
-            pass ``False`` on the hot path once the arguments are known to agree.
+            scales, by value): a mismatch raises ``ValueError`` on every rank naming the argument; an argument
+            that a rank rejects raises that rank's own ``ValueError``/``TypeError`` there and, on the other
+            ranks, a ``ValueError`` naming the rejecting ranks; never a hang or a wrong merge
+            (Note [Agreement across ranks] in ``distributed/agree.py``). It syncs with the host, and is skipped
+            while a CUDA graph is captured; pass ``False`` on the hot path once the arguments are known to agree.
         **flash_decode_kwargs: ``block_table``, ``sm_scale``, ``num_splits``, ``split_size``, ``kv_layout``,
             ``k_scale``, ``v_scale``, ``logit_softcap``, ``sinks``, ``return_lse`` as in :func:`flash_decode`
             (``block_table`` and ``num_splits`` are this rank's; the others must be equal on every rank). The
@@ -338,6 +340,7 @@ def cp_cascade_decode(q, levels, *, group=None, check_metadata=True, **cascade_k
     >>> from cp_attention import CascadeLevel, cascade_decode
     >>> from cp_attention.distributed import shard_kv
     >>> rank, world = dist.get_rank(), dist.get_world_size()
+    >>> _ = torch.manual_seed(0)                                               # the same levels on every rank
     >>> pk, pv = torch.randn(1, 2, 200, 64), torch.randn(1, 2, 200, 64)        # one shared segment
     >>> ok, ov = torch.randn(4, 2, 20, 64), torch.randn(4, 2, 20, 64)          # one segment a request
     >>> q = torch.randn(4, 8, 64)

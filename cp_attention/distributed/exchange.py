@@ -13,8 +13,8 @@ Context-parallel decode ends with ⊕ over every rank's packed states ``[..., D 
   ``ops/symm_merge.py``). No collective launch, no host synchronisation; a buffer per (shape, device),
   allocated at the first call of that shape (a collective: every rank makes the same calls) and reused by
   every later call and CUDA-graph replay. A call of a new shape inside a CUDA-graph capture cannot
-  allocate: it takes the collective path (warm up with the shapes you capture). NVLink multicast is never
-  used (``TORCH_SYMM_MEM_DISABLE_MULTICAST`` defaults to 1 here).
+  allocate: it takes the collective path (warm up with the shapes you capture). NVLink multicast stays
+  off (``TORCH_SYMM_MEM_DISABLE_MULTICAST`` defaults to 1 here, unless the environment sets it).
 
 Both merge the same states in rank order, so every rank's result is bitwise identical; which exchange a
 group uses is decided once, on the first call, from facts every rank agrees on (:func:`exchange_for`), or
@@ -183,6 +183,12 @@ _EXCHANGES = {}  # (group name, kind) -> the exchange (kept, with its buffers, w
 _IN_USE = {}  # group (None for the world) -> its exchange now: the hot path's one lookup
 
 
+def _check_initialised() -> None:
+    if not dist.is_initialized():  # else a cached exchange of a destroyed group, or an AttributeError of None
+        raise ValueError("group: exchanging attention states across ranks needs an initialised process group "
+                         "(torch.distributed.init_process_group)")
+
+
 def _group_name(group) -> str:
     return (group if group is not None else dist.group.WORLD).group_name
 
@@ -191,12 +197,16 @@ def set_exchange(kind: str = "auto", group=None) -> None:
     """Choose how ``group`` exchanges states (every rank calls it alike, before the next CP call):
     ``"symm"`` (NVLink symmetric memory; raises ``ValueError`` at the next call if the group's GPUs cannot
     use it), ``"collective"`` (NCCL / gloo all-gather) or ``"auto"`` (symm where possible, the default).
+    Raises ``ValueError`` without an initialised process group.
+
+    On every rank of an initialised process group:
 
     >>> set_exchange("collective")      # e.g. to compare against NCCL in a benchmark
     >>> set_exchange("auto")
     """
     if kind not in EXCHANGES:
         raise ValueError(f"kind must be one of {EXCHANGES}, got {kind!r}")
+    _check_initialised()
     _CHOICE[_group_name(group)] = kind
     _IN_USE.clear()
 
@@ -220,9 +230,7 @@ def _p2p_capable(group) -> bool:
 
 def exchange_for(group) -> CollectiveExchange:
     """The exchange of ``group`` (decided at its first call, see Note [Exchanges])."""
-    if not dist.is_initialized():  # else a cached exchange of a destroyed group, or an AttributeError of None
-        raise ValueError("group: exchanging attention states across ranks needs an initialised process group "
-                         "(torch.distributed.init_process_group)")
+    _check_initialised()
     exchange = _IN_USE.get(group)
     if exchange is not None:
         return exchange
