@@ -20,6 +20,7 @@ time (H200, torch 2.11: an eager SDPA call went from 17 to 46 µs), so :func:`gp
 from __future__ import annotations
 
 import datetime
+import functools
 import gc
 import hashlib
 import json
@@ -45,6 +46,7 @@ GRAPH_CALLS = 20  # calls captured in one CUDA graph by bench_graph
 MIN_RUNS = 25  # timed runs behind every median, however long one run takes
 
 
+@functools.cache
 def read_references(gpu: str | None = None) -> dict:
     """``{"hbm_peak_TBs", "stream_read_TBs"}`` of the GPU named ``gpu`` (default: device 0's name), ``None``
     where this file holds no figure for it."""

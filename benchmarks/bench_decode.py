@@ -270,8 +270,9 @@ def main():
     dtype = DTYPES[args.dtype]
     todo = cases(args)
     rows, not_run = [], []
+    refs = read_references()
     config = {"dtype": args.dtype, "impls": args.impls, "graph_calls": GRAPH_CALLS,
-              **read_references(), "xqa_page_size": 64,
+              **refs, "xqa_page_size": 64,
               "fa2_page_size": 16,
               "timing": "triton.testing.do_bench median (L2 flushed before each call / each graph replay)"}
     for case in tqdm(todo, desc="decode shapes"):
@@ -284,7 +285,7 @@ def main():
     json_path = write_json(args.name, {"config": config, "rows": rows, "not_run": not_run})
     png = RESULTS / f"{args.name}.png"
     if rows:
-        plot(rows, args.impls, png, read_references())
+        plot(rows, args.impls, png, refs)
 
     for r in rows:
         where = f"B={r['B']} T={tokens_str(r['T'])} {r['heads']}"

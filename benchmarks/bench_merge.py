@@ -102,10 +102,10 @@ def main():
         rows.append(row)
         del o, lse, ref
         torch.cuda.empty_cache()
-    path = write_json("bench_merge", {"config": {"B": b, "H": h, "D": d, **read_references()},
-                                      "rows": rows})
+    refs = read_references()
+    path = write_json("bench_merge", {"config": {"B": b, "H": h, "D": d, **refs}, "rows": rows})
     png = RESULTS / "bench_merge.png"
-    plot(rows, png, read_references())
+    plot(rows, png, refs)
     for r in rows:
         for key, val in r.items():
             if key.endswith("_error"):

@@ -73,8 +73,8 @@ class CascadeLevel(NamedTuple):
 
     ``k``, ``v``: ``[S, Hkv, T, D]`` (HND; unit stride in D), the ``S`` segments of this level, q's dtype
     (or FP8, with ``cascade_decode``'s ``k_scale``/``v_scale``) and device; or, with ``block_table``, page
-    pools ``[P, page_size, Hkv, D]`` (the vLLM / FlashInfer layout). ``seq_lens``: ``[S]`` int32/int64, valid length of each segment (``None``: all ``T``;
-    required with ``block_table``). ``segment_ids``: ``[B]`` int32/int64, the segment each request reads;
+    pools ``[P, page_size, Hkv, D]`` (the vLLM / FlashInfer layout). ``seq_lens``: ``[S]`` int32/int64, valid
+    length of each segment (``None``: all ``T``; required with ``block_table``). ``segment_ids``: ``[B]`` int32/int64, the segment each request reads;
     ``None`` when ``S == 1`` (every request reads it) or ``S == B`` (request ``b`` reads segment ``b``).
     ``block_table``: ``[S, max_pages]`` int32/int64: position ``p`` of segment ``s`` lives in page
     ``block_table[s, p // page_size]``, slot ``p % page_size``.

@@ -184,8 +184,8 @@ def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num
             ``block_table[b, p // page_size]``, slot ``p % page_size``. The pages that ``seq_lens`` reach
             are checked to lie in the pool for CPU tensors; on the GPU they are clamped into it.
         sm_scale: score scale (default ``1 / sqrt(D)``); a real number finite in float32 (else
-            ``TypeError``). Scores are float32:
-            where ``sm_scale * q.k`` passes the float32 range the output is NaN.
+            ``TypeError``). Scores are float32: where ``sm_scale * q.k`` passes the float32 range the output
+            is NaN.
         num_splits: ``None`` for the tuned policy (decided from shapes and ``T_max``, or the window), or a
             fixed count (``1`` = no split), capped at the number of KV tiles ``n`` and rounded to the splits of
             ``ceil(n / min(num_splits, n))`` tiles each: ``ceil(n / that)`` splits run.
