@@ -39,7 +39,9 @@ FlashAttention calls per query residue ``t mod W``) at prefill.
 Padding. The registered mask function turns the 2-D attention mask into each row's first real position
 (a ``[B, 1, 1, 1]`` int32 tensor, which transformers passes through as a prepared mask), or ``None`` when
 the prompt has no padding. A mask with a zero after a one (not left padding) raises at the prefill. The
-prefill's finding holds for the decode steps that follow (``generate()`` extends the mask with ones), so an
+first forward on the empty cache fixes each row's padding; every later forward's mask must hide the same
+positions (``generate()`` extends the mask with ones), checked on the device once per forward (a decode
+step's mask function marks a row with a hole, the cache compares the rows with the prefill's), so an
 unpadded batch decodes without ``row_limits``.
 
 Finding the cache. The attention function receives the module, not the cache. The cache layer's
@@ -56,7 +58,9 @@ CUDA graphs. With ``max_cache_len`` the layers are preallocated and the global l
 ``update`` decides owner and slot on the device (a non-owner writes into a scratch slot that is never
 read), so a decode step has no host sync and no data-dependent Python branch, and transformers'
 compiled generation (``generate()`` compiles the forward itself for a compileable non-dynamic cache,
-"reduce-overhead": CUDA graphs) runs. Forwards of more than one token (prefills) run eagerly.
+"reduce-overhead": CUDA graphs) runs. The first prefill runs eagerly; a traced forward of several tokens
+(chunked prefill, assisted decoding) attends with ``flash_decode`` in groups of up to 16 query rows, each with
+its row limits.
 """
 from __future__ import annotations
 
@@ -200,6 +204,10 @@ def _read_config(config) -> tuple:
 _STEP_DIFFERS = ("CPCache: every rank must run the same decode step; layer 0's new keys differ between ranks (the "
                  "tokens fed back part: the generation settings -- sampling and its seed, logits processors -- must "
                  "be the same on every rank)")
+_PADDING_DIFFERS = ("CPCache: this forward's attention_mask hides other positions than the first forward's left "
+                    "padding (a zero after a one, padding added or dropped, or no mask for a padded batch); the "
+                    "cache attends the first forward's padding: pass that mask extended with ones, or reset() the "
+                    "cache for a new batch")
 
 
 def _key_sums(key_states) -> torch.Tensor:
@@ -229,21 +237,24 @@ class _Shared:
         self.seq_lens = None  # [B] int32 on the device: this rank's shard length
         self.step = 0  # tokens of the current forward
         self.host_start = 0  # global length before the current forward, when known on the host (else None)
-        self.padded = False  # the last forward of several tokens had left padding
+        self.padded = False  # the cache's rows have left padding (fixed by the first forward on the empty cache)
+        self.pad = None  # [B] int32 on the device: each row's first real position (zeros without padding)
+        self.fresh = False  # this forward starts on the empty cache (eager; traced forwards: False)
         self.host_end = 0  # static layers: the global length after the last forward, where the host knows it
         self.config, self.windows = None, ()  # the model's (text) config and its layers' windows
         self.memo = {}
         self.ahead = False  # decode_ahead runs the loop: a decode step's agreement is read a step late
-        self.pending = collections.deque()  # (flag on the host, event after its copy) of those steps, in the loop
+        self.pending = collections.deque()  # (flag on the host, event after its copy, message) of those steps
 
     def allocate(self, batch, device) -> None:
         self.batch, self.device = batch, device
         self.seq_lens = torch.zeros(batch, dtype=torch.int32, device=device)
+        self.pad = torch.zeros(batch, dtype=torch.int32, device=device)
         if self.static:
             self.start = torch.zeros((), dtype=torch.int64, device=device)
             self.end = torch.zeros((), dtype=torch.int64, device=device)
             if not _compiling():
-                for t in (self.seq_lens, self.start, self.end):
+                for t in (self.seq_lens, self.pad, self.start, self.end):
                     torch._dynamo.mark_static_address(t)
 
     def begin(self, key_states) -> None:
@@ -268,8 +279,10 @@ class _Shared:
                                      f"new token")
                 self.host_start = start if s > 1 else None
                 self.host_end = start + s
+                self.fresh = start == 0
             else:
                 self.host_start = self.host_end = None
+                self.fresh = False
                 # a captured step cannot raise on the host: past max_cache_len it stops the device instead
                 torch._assert_async(self.end + s <= self.max_cache_len,
                                     "CPCache: the tokens exceed max_cache_len")
@@ -278,6 +291,7 @@ class _Shared:
             self.seq_lens.copy_(_counts(self.end, self.rank, self.world).expand(b))
         else:
             self.host_start = self.length
+            self.fresh = self.length == 0
             self.length += s
             self.seq_lens.fill_(_counts(self.length, self.rank, self.world))
         self.step = s
@@ -333,29 +347,50 @@ class _Shared:
         everyone = all_gather_traceable(mine, self.group).view(self.world, -1)
         tol = 1e-3 * everyone[:, 1].max() + 1e-30
         bad = (everyone[:, 0] != everyone[0, 0]).any() | ((everyone[:, 2:] - everyone[0, 2:]).abs() > tol).any()
+        self.verdict(bad, _STEP_DIFFERS)
+
+    def verdict(self, bad, message: str) -> None:
+        """Act on a device-side check ``bad`` (a 0-d bool tensor) of a forward: eager, ``ValueError(message)``
+        before the layer attends (one host read); under :func:`decode_ahead` the read comes a step late (the
+        host must not wait for the GPU), the last ones when the loop ends; traced, a device assert (a failure
+        stops the process, as past ``max_cache_len``)."""
         if _compiling():
-            torch._assert_async(~bad, _STEP_DIFFERS)
+            torch._assert_async(~bad, message)
         elif self.ahead:
             cuda = bad.is_cuda
             flag = torch.empty((), dtype=torch.bool, pin_memory=cuda).copy_(bad, non_blocking=cuda)
             done = torch.cuda.Event() if cuda else None
             if done is not None:
                 done.record()
-            self.pending.append((flag, done))
-            self.check_pending(keep=1)
+            self.pending.append((flag, done, message))
+            self.check_pending(keep=2)
         elif bool(bad):
-            raise ValueError(_STEP_DIFFERS)
+            raise ValueError(message)
 
     def check_pending(self, keep: int = 0) -> None:
         """Read the verdicts of the decode steps run under :func:`decode_ahead`, all but the last ``keep``
         (oldest first; every rank reads the same steps', so every rank raises at the same step)."""
         while len(self.pending) > keep:
-            flag, done = self.pending.popleft()
+            flag, done, message = self.pending.popleft()
             if done is not None:
                 done.synchronize()
             if bool(flag):
                 self.pending.clear()
-                raise ValueError(_STEP_DIFFERS)
+                raise ValueError(message)
+
+    def padding(self, first, layer_idx: int):
+        """The rows' first real positions to attend with (``[B]`` int32, or ``None``: no padding), given those
+        of this forward's mask (``first``, ``-1`` for a row that is not left padding, or ``None``). The first
+        forward on the empty cache fixes the padding; every later forward's mask must give the same (checked at
+        layer 0 through :meth:`verdict`): the positions a decode step's mask hides are those of the prefill."""
+        if layer_idx == 0:
+            given = torch.zeros_like(self.pad) if first is None else first.to(torch.int32)
+            if self.fresh:
+                self.pad.copy_(given)
+                self.padded = first is not None
+            else:
+                self.verdict((given != self.pad).any(), _PADDING_DIFFERS)
+        return self.pad if self.padded else None
 
     def end_value(self):
         """The global length after this forward: a host int, or the device tensor (static layers)."""
@@ -376,28 +411,31 @@ class _Shared:
             self.memo[key] = out
         return out
 
-    def decode_limits(self, first, window_left, s: int, b: int):
-        """``(row_limits [B, S, 2] int32 or None, span, window_left for flash_decode)`` of the decode rows
-        (Note [Context-parallel attention inside transformers], "Local limits")."""
+    def decode_limits(self, first, window_left, s: int, b: int, rows=None):
+        """``(row_limits [B, n, 2] int32 or None, span, window_left for flash_decode)`` of the decode rows: the
+        ``S`` of the forward, or its rows ``rows = (i0, i1)`` (Note [Context-parallel attention inside
+        transformers], "Local limits")."""
         w, r = self.world, self.rank
-        if first is None and w == 1:
+        if rows is None and first is None and w == 1:
             return None, None, window_left  # flash_decode's own causal rule and window are the global ones
-        if first is None and s == 1 and window_left is None:
+        if rows is None and first is None and s == 1 and window_left is None:
             return None, None, None  # the shard's length bounds the one row
-        key = ("limits", window_left, s, first is None)
+        i0, i1 = (0, s) if rows is None else rows
+        key = ("limits", window_left, s, first is None, rows)
         hit = self.memo.get(key) if not _compiling() else None
         if hit is not None:
             return hit
         end = self.end_value()
         device = first.device if first is not None else self.seq_lens.device
-        t = torch.arange(s, device=device) + (end - s)  # [S] global positions of the rows
+        t = torch.arange(i0, i1, device=device) + (end - s)  # global positions of the rows
         hi = _counts(t + 1, r, w)
         lo = torch.zeros_like(t) if first is None else first.to(t.dtype)[:, None]
         if window_left is not None:
             lo = torch.maximum(lo, (t - window_left).clamp(min=0))
         lo = _counts(lo, r, w)
-        limits = torch.stack(torch.broadcast_tensors(lo.expand(b, s), hi.expand(b, s)), dim=-1).to(torch.int32)
-        span = None if window_left is None else -(-(window_left + s) // w) + 1
+        n = i1 - i0
+        limits = torch.stack(torch.broadcast_tensors(lo.expand(b, n), hi.expand(b, n)), dim=-1).to(torch.int32)
+        span = None if window_left is None else -(-(window_left + n) // w) + 1
         out = (limits, span, None)
         if not _compiling():
             self.memo[key] = out
@@ -553,14 +591,35 @@ class CPCacheLayer(CacheLayerMixin):
 
     def _to_cache_dtype(self, k, v):
         """The new K/V in the cache's dtype: FP8 layers quantise them with the layer's scales (set from the
-        amax of the layer's first update, see :class:`CPCache`), saturating."""
+        amax of the layer's first update, widened by later eager forwards of several tokens; see
+        :class:`CPCache`), saturating."""
         if self.dtype not in FP8_DTYPES:
             return (k, v) if k.dtype == self.dtype else (k.to(self.dtype), v.to(self.dtype))
-        if not self._scaled and not _compiling():
-            self.k_scale.copy_(amax_scale(k, self.dtype, 1))
-            self.v_scale.copy_(amax_scale(v, self.dtype, 1))
-            self._scaled = True
+        if not _compiling():
+            if not self._scaled:
+                self.k_scale.copy_(amax_scale(k, self.dtype, 1))
+                self.v_scale.copy_(amax_scale(v, self.dtype, 1))
+                self._scaled = True
+            elif k.shape[2] > 1:
+                self._widen_scales(k, v)
         return quantize(k, self.k_scale, self.dtype, 1), quantize(v, self.v_scale, self.dtype, 1)
+
+    def _widen_scales(self, k, v) -> None:
+        """A later eager forward of several tokens (a prefill chunk, a prompt continued) whose K/V reach past
+        the scales' range widens them to its amax, and the stored tokens are requantised (one more rounding):
+        every rank computes the same K/V, so the scales stay equal on every rank."""
+        new_k = torch.maximum(self.k_scale, amax_scale(k, self.dtype, 1))
+        new_v = torch.maximum(self.v_scale, amax_scale(v, self.dtype, 1))
+        if not bool(((new_k > self.k_scale) | (new_v > self.v_scale)).any()):  # one host read (eager)
+            return
+        head = 1 if self.shared.page_size is None else 2  # [B, Hkv, slots, D] or pools [P, page, Hkv, D]
+        shape = [1, 1, 1, 1]
+        shape[head] = -1
+        for buf, old, new in ((self._k, self.k_scale, new_k), (self._v, self.v_scale, new_v)):
+            ratio = (old / new).view(shape)
+            buf.view(torch.uint8).copy_(quantize(buf.float() * ratio, torch.ones((), device=buf.device), self.dtype,
+                                                 head).view(torch.uint8))
+            old.copy_(new)
 
     def get_seq_length(self):
         """The global (padded) length, as a ``DynamicCache`` reports it (a 0-d tensor for preallocated layers,
@@ -651,13 +710,18 @@ class CPCache(Cache):
         dtype: the cache's dtype (default: the model's K/V dtype). ``torch.float8_e4m3fn`` /
             ``torch.float8_e5m2``: FP8 shards. Each layer's scales (one per KV head, float32) come from the
             amax of that layer's first update -- the prefill, whose K/V every rank computes whole, so the
-            scales agree on every rank -- mapped to the format's largest value; they stay fixed afterwards
-            and decode tokens are quantised with saturation. At decode steps the queries of float32 models are
+            scales agree on every rank -- mapped to the format's largest value. A later eager forward of
+            several tokens (a chunk of a chunked prefill, a continued prompt) whose K/V reach further widens
+            them and requantises the stored tokens; decode steps (and traced forwards) keep them and quantise
+            with saturation, so a prompt of a few tokens gives narrow scales. At decode steps the queries of float32 models are
             rounded to bfloat16 for FP8 attention; a prefill attends in float32 against dequantised K/V.
         device: where the shards live (default: the device of the first K/V).
 
     ``get_seq_length()`` is the global, padded length (what a ``DynamicCache`` reports). The left padding of
-    the batch is fixed at the prefill (``generate()`` extends the mask with ones).
+    the batch is fixed by the first forward on the empty cache; every later forward's mask must hide the same
+    positions (``generate()`` extends the mask with ones), else ``ValueError`` (a traced forward: a device
+    assert). A traced (compiled) forward of more than 16 tokens -- a chunk of a chunked prefill, an assistant's
+    candidates -- attends in groups of 16 query rows; a compiled first forward of a left-padded batch is refused.
 
     >>> from transformers import AutoModelForCausalLM, LlamaConfig
     >>> config = LlamaConfig(vocab_size=97, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -730,7 +794,15 @@ class CPCache(Cache):
         sh.length, sh.padded, sh.memo = 0, False, {}
         if sh.seq_lens is not None:
             sh.seq_lens.zero_()
+            sh.pad.zero_()
         super().reset()
+
+    def reorder_cache(self, beam_idx) -> None:
+        """Reorder the batch rows (beam search): every layer's shard and the rows' padding."""
+        super().reorder_cache(beam_idx)
+        sh = self._shared
+        if sh.pad is not None:
+            sh.pad.copy_(sh.pad.index_select(0, beam_idx.to(sh.pad.device)))
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``-tokens_to_remove`` tokens (a negative int, or a one-element integer tensor, as
@@ -770,8 +842,9 @@ def cp_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, 
     """The mask function registered with ``AttentionMaskInterface``: each row's first real position
     (``[B, 1, 1, 1]`` int32, the count of left-padding zeros of the 2-D ``attention_mask [B, L]``), or
     ``None`` when there is no mask (or, for a forward of several tokens, no padding). A mask that is not
-    left padding raises ``ValueError`` (checked for forwards of several tokens, in eager mode). The
-    causal rule and windows are the attention function's.
+    left padding raises ``ValueError`` for eager forwards of several tokens; elsewhere (one token, traced) such
+    a row's position is ``-1``, which :class:`CPCache` refuses. The causal rule and windows are the attention
+    function's.
 
     >>> cp_attention_mask(2, 3, 3, attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]).bool()).flatten()
     tensor([1, 0], dtype=torch.int32)
@@ -799,10 +872,14 @@ def cp_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, 
                              "each row); pad on the left (tokenizer.padding_side = 'left')")
         if isinstance(q_offset, int) and mask.shape[1] != q_offset + q_length:
             raise ValueError(f"cp_attention: attention_mask must cover the {q_offset + q_length} positions of the "
-                             f"cache and the new tokens, got shape {tuple(mask.shape)}")
+                             f"cache and the new tokens, got shape {tuple(mask.shape)} (a CPCache that holds "
+                             f"an earlier batch's tokens needs reset() or a new CPCache for a new batch)")
         if bool(mask.all()):
             return None
     first = mask.shape[1] - mask.sum(dim=1, dtype=torch.int32)
+    if q_length == 1 or _compiling():  # checked on the device (no host read): -1 marks a row with a hole
+        left = torch.arange(mask.shape[1], device=mask.device)[None, :] >= first[:, None]
+        first = torch.where((mask != left).any(dim=1), -1, first)
     return first.view(-1, 1, 1, 1)
 
 
@@ -935,10 +1012,7 @@ def cp_attention_forward(module, query, key, value, attention_mask, scaling=None
     first = _first_positions(attention_mask)
     if layer is not None:
         shard = layer.shared
-        if s > 1 and not _compiling():
-            shard.padded = first is not None
-        elif not shard.padded:
-            first = None  # an unpadded prefill stays unpadded (Note [...], "Padding")
+        first = shard.padding(first, layer.layer_idx)  # Note [...], "Padding"
         view = layer
     else:
         shard = view = _Given(key, value, s)
@@ -948,19 +1022,26 @@ def cp_attention_forward(module, query, key, value, attention_mask, scaling=None
     scale = float(scaling) if scaling is not None else d ** -0.5
     cap = None if softcap is None else float(softcap)
     sinks = None if s_aux is None else s_aux.float()
-    if s == 1 or (s <= MAX_Q_ROWS and shard.host_start):
+    if shard.host_start is None and s > MAX_Q_ROWS:  # traced (a compiled prefill chunk or verification step)
+        o = torch.cat([_decode(query, view, shard, first, window_left, scale, cap, sinks, (i, min(s, i + MAX_Q_ROWS)))
+                       for i in range(0, s, MAX_Q_ROWS)], dim=1)
+    elif s == 1 or (s <= MAX_Q_ROWS and shard.host_start != 0):
         o = _decode(query, view, shard, first, window_left, scale, cap, sinks)
     else:
         o = _prefill(query, view, shard, first, window_left, scale, cap, sinks)
     return o, None
 
 
-def _decode(query, view, shard, first, window_left, scale, softcap, sinks):
-    """One ``flash_decode`` on the shard (and one merge across the ranks) for ``S <= 16`` rows."""
+def _decode(query, view, shard, first, window_left, scale, softcap, sinks, rows=None):
+    """One ``flash_decode`` on the shard (and one merge across the ranks) for ``S <= 16`` rows, or for the
+    rows ``rows = (i0, i1)`` (at most 16) of the ``S`` of a traced forward (``o [B, i1 - i0, Hq, D]``)."""
     b, s = query.shape[0], query.shape[2]
     k, v, seq_lens, block_table, layout, k_scale, v_scale = view.decode_args()
-    limits, span, window = shard.decode_limits(first, window_left, s, b)
-    q = query[:, :, 0] if s == 1 else query.transpose(1, 2)
+    limits, span, window = shard.decode_limits(first, window_left, s, b, rows)
+    if rows is not None:
+        q = query[:, :, rows[0]:rows[1]].transpose(1, 2)
+    else:
+        q = query[:, :, 0] if s == 1 else query.transpose(1, 2)
     dtype = _attention_dtype(query.dtype, k.dtype)
     if q.dtype != dtype:
         q = q.to(dtype)
@@ -974,7 +1055,7 @@ def _decode(query, view, shard, first, window_left, scale, softcap, sinks):
         o = st.o if sinks is None else merge_states(st.o[None], st.lse[None], sinks=sinks).o
     if o.dtype != query.dtype:
         o = o.to(query.dtype)
-    return o[:, None] if s == 1 else o
+    return o[:, None] if o.dim() == 3 else o
 
 
 def _attention_dtype(q_dtype, kv_dtype):

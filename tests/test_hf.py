@@ -20,7 +20,7 @@ import transformers
 
 import cp_attention.hf as cph
 from cp_attention.reference import attention
-from tests._hf_models import ARCHS, NEW_TOKENS, cache_kwarg, forward_rows, generate, prompts, reference, tiny_model
+from tests._hf_models import ARCHS, NEW_TOKENS, VOCAB, cache_kwarg, forward_rows, generate, prompts, reference, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "_hf_worker.py"
@@ -170,6 +170,21 @@ def test_fp8_shards_match_eager_loosely(refs, arch, fp8, cache_kwargs):
     assert int(cache.get_seq_length()) == ref_len
 
 
+def test_fp8_scales_widen_over_a_chunked_prefill(refs):
+    """An FP8 layer's scales come from its first update; a later prefill chunk whose K/V reach further widens
+    them (the stored tokens requantised), so a chunked prefill is as close to eager as a whole one."""
+    ref_tokens, ref_logits, _, _ = refs("llama", padded=False, init=0.1)
+    tol = FP8_TOL["float8_e4m3fn"] * float(ref_logits.abs().max())
+    for cache_kwargs in ({}, {"max_cache_len": 20, "page_size": 4}):
+        model = tiny_model("llama", initializer_range=0.1)
+        model.set_attn_implementation("cp_attention")
+        cache = cph.CPCache(model.config, dtype=torch.float8_e4m3fn, **cache_kwargs)
+        ids, mask = prompts(padded=False)
+        tokens, logits = generate(model, ids, mask, cache, prefill_chunk_size=2)
+        torch.testing.assert_close(logits, ref_logits, atol=tol, rtol=0)
+        assert torch.equal(tokens, ref_tokens)
+
+
 @pytest.mark.parametrize("arch, padded", [("llama", True), ("gpt-oss-sinks-window5", False)])
 def test_several_query_rows_on_a_filled_cache(refs, arch, padded):
     """A forward of 3 tokens on a non-empty cache (the multi-row decode path) equals the DynamicCache's."""
@@ -225,6 +240,47 @@ def test_mask_function_gives_first_positions():
     assert first.shape == (3, 1, 1, 1) and first.flatten().tolist() == [2, 0, 3]
     assert cph.cp_attention_mask(3, 4, 4, attention_mask=torch.ones(3, 4, dtype=torch.bool)) is None
     assert cph.cp_attention_mask(3, 1, 5, attention_mask=None) is None
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("cache_kwargs", [{}, {"max_cache_len": 24}], ids=["dynamic", "static"])
+def test_a_decode_mask_that_hides_other_positions_is_refused(padded, cache_kwargs):
+    """After the prefill, a one-token forward whose mask hides other positions than the prefill's padding
+    (a hole after a one, padding dropped, no mask for a padded batch) raises instead of attending the
+    prefill's padding; the mask that generate() passes (extended with ones) is accepted."""
+    model = tiny_model("llama")
+    model.set_attn_implementation("cp_attention")
+    ids, mask = prompts(padded=padded)
+    token = torch.full((3, 1), 5)
+    full = torch.cat([mask, torch.ones_like(token)], dim=1)
+    hole = full.clone()
+    hole[:, 8] = 0
+    cases = [hole, None] + ([torch.ones_like(full)] if padded else [])
+    for bad in cases:
+        cache = cph.CPCache(model.config, **cache_kwargs)
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask, use_cache=True, **{cache_kwarg(model): cache})
+            step = dict(input_ids=token, position_ids=(full.cumsum(-1) - 1)[:, -1:], use_cache=True,
+                        **{cache_kwarg(model): cache})
+            if bad is None and not padded:
+                model(attention_mask=None, **step)  # no mask and no padding: nothing hidden
+                continue
+            with pytest.raises(ValueError, match="hides other positions than the first forward's left padding"):
+                model(attention_mask=bad, **step)
+            model(attention_mask=full, **step)
+
+
+def test_reorder_cache_reorders_the_padding():
+    """Beam search's row reorder moves each row's padding with its shard."""
+    model = tiny_model("llama")
+    model.set_attn_implementation("cp_attention")
+    ids, mask = prompts()
+    cache = cph.CPCache(model.config)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, use_cache=True, **{cache_kwarg(model): cache})
+    before = cache._shared.pad.clone()
+    cache.reorder_cache(torch.tensor([2, 0, 1]))
+    assert torch.equal(cache._shared.pad, before[[2, 0, 1]])
 
 
 def test_import_registers_without_transformers_in_the_core():
@@ -703,6 +759,70 @@ def test_compiled_step_past_max_cache_len_stops():
              **{cache_kwarg(model): cache})
 
 
+def _compiled_config():
+    """transformers' own compiled generation, run on the CPU (it compiles on CUDA by default)."""
+    config = transformers.CompileConfig(backend="eager", mode=None)
+    config._compile_all_devices = True
+    return config
+
+
+@pytest.mark.parametrize("kwargs", [
+    pytest.param({"prompt_lookup_num_tokens": 3}, id="lookup3"),
+    pytest.param({"prefill_chunk_size": 4}, id="chunks4"),
+    pytest.param({"prefill_chunk_size": 17}, id="chunks17"),
+])
+def test_compiled_forwards_of_several_tokens_match_eager(kwargs):
+    """transformers' compiled generation also compiles the forwards of several tokens (prompt lookup's and
+    assisted decoding's verification steps, the chunks of a chunked prefill): on a preallocated cache they
+    attend with flash_decode, in groups of 16 query rows past 16, and give eager's tokens and logits."""
+    model = tiny_model("llama")
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 97, (1, 37), generator=gen)
+    ids[0, 20:30] = ids[0, 5:15]  # something for prompt lookup to find
+    mask = torch.ones_like(ids)
+    model.set_attn_implementation("eager")
+    want = generate(model, ids, mask, transformers.DynamicCache(config=model.config), **kwargs)
+    model.set_attn_implementation("cp_attention")
+    got = generate(model, ids, mask, cph.CPCache(model.config, max_cache_len=48), compile_config=_compiled_config(),
+                   **kwargs)
+    torch._dynamo.reset()
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], **LOGIT_TOL)
+
+
+def test_compiled_forward_of_many_rows_on_a_filled_cache():
+    """A traced forward of 21 tokens on a filled, left-padded, windowed preallocated cache (two groups of
+    rows) equals the DynamicCache's."""
+    model = tiny_model("mistral-window5")
+    model.set_attn_implementation("cp_attention")
+    ids, mask = prompts()
+    cache = cph.CPCache(model.config, max_cache_len=40)
+    more = torch.randint(1, VOCAB, (3, 21), generator=torch.Generator().manual_seed(2))
+    full = torch.cat([mask, torch.ones_like(more)], dim=1)
+    positions = (full.cumsum(-1) - 1).clamp(min=0)[:, -21:]
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, use_cache=True, **{cache_kwarg(model): cache})
+        step = torch.compile(model.forward, backend="eager", fullgraph=True)
+        masks = cph.cp_attention_mask(3, 21, 40, q_offset=11, attention_mask=full.bool())
+        got = step(input_ids=more, attention_mask=masks, position_ids=positions, use_cache=True,
+                   **{cache_kwarg(model): cache}).logits
+    torch._dynamo.reset()
+    ref = forward_rows(tiny_model("mistral-window5"), ids, mask, transformers.DynamicCache(config=model.config), 21)
+    torch.testing.assert_close(got, ref, **LOGIT_TOL)
+
+
+def test_compiled_first_forward_of_a_padded_batch_stops():
+    """The padding is fixed by the first forward; a traced one cannot record it on the host, so a compiled
+    first forward of a left-padded batch asserts on the device (on the CPU: at once)."""
+    model = tiny_model("llama")
+    model.set_attn_implementation("cp_attention")
+    ids, mask = prompts()
+    with pytest.raises(Exception, match="hides other positions"):
+        generate(model, ids, mask, cph.CPCache(model.config, max_cache_len=24), compile_config=_compiled_config(),
+                 prefill_chunk_size=4)
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("paged", [False, True])
 def test_decode_step_graph_inputs_do_not_alias(paged):
     """The traced decode step takes each cache buffer once: no graph input is a view of another. (An aliased
@@ -741,6 +861,24 @@ def test_compiled_generate_matches_eager_cuda(ahead):
     cache = cph.CPCache(model.config, max_cache_len=ids.shape[1] + new)
     assert cache.is_compileable
     tokens, _ = generate(model, ids, mask, cache, new_tokens=new, ahead=ahead)
+    assert torch.equal(tokens, ref_tokens)
+
+
+@pytest.mark.gpu
+def test_compiled_prompt_lookup_matches_eager_cuda():
+    """transformers' compiled generation on CUDA (CUDA graphs) with prompt lookup: its verification forwards
+    of several tokens are compiled too, and choose eager transformers' tokens."""
+    torch._dynamo.reset()
+    model = tiny_model("llama").cuda()
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, VOCAB, (1, 37), generator=gen)
+    ids[0, 20:30] = ids[0, 5:15]
+    ids, mask = ids.cuda(), torch.ones_like(ids).cuda()
+    ref_tokens = reference(model, ids, mask, new_tokens=24, mode="lookup3")[0]
+    model.set_attn_implementation("cp_attention")
+    tokens, _ = generate(model, ids, mask, cph.CPCache(model.config, max_cache_len=64), new_tokens=24,
+                         mode="lookup3")
+    torch._dynamo.reset()
     assert torch.equal(tokens, ref_tokens)
 
 
