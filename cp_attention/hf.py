@@ -872,8 +872,8 @@ def cp_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, 
                              "each row); pad on the left (tokenizer.padding_side = 'left')")
         if isinstance(q_offset, int) and mask.shape[1] != q_offset + q_length:
             raise ValueError(f"cp_attention: attention_mask must cover the {q_offset + q_length} positions of the "
-                             f"cache and the new tokens, got shape {tuple(mask.shape)} (a CPCache that holds "
-                             f"an earlier batch's tokens needs reset() or a new CPCache for a new batch)")
+                             f"cache ({q_offset} held) and the new tokens, got shape {tuple(mask.shape)}: a "
+                             f"new batch needs reset() or a new CPCache, and generate(use_cache=False) no cache")
         if bool(mask.all()):
             return None
     first = mask.shape[1] - mask.sum(dim=1, dtype=torch.int32)

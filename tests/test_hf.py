@@ -439,6 +439,12 @@ def test_a_cache_keeps_its_batch():
     cache.reset()
     with pytest.raises(ValueError, match="holds 3 rows .* a forward of 1 rows needs a new CPCache"):
         generate(model, ids[:1], mask[:1], cache, new_tokens=2)
+    # without reset() the filled cache's length meets the new batch's mask first
+    cache = cph.CPCache(model.config)
+    generate(model, ids, mask, cache, new_tokens=2)
+    for kwargs in ({}, {"use_cache": False}):
+        with pytest.raises(ValueError, match=r"\(12 held\) .* needs reset\(\) .*use_cache=False\) no cache"):
+            generate(model, ids[:2], mask[:2], cache, new_tokens=2, **kwargs)
 
 
 def test_a_window_given_only_by_the_config_is_applied():
