@@ -83,7 +83,7 @@ from ._validate import INT32_MAX, MAX_Q_ROWS, check_device, check_int
 from .decode import flash_decode
 from .distributed import merge_across_ranks
 from .distributed.exchange import all_gather_traceable
-from .quant import amax_scale, quantize
+from .quant import amax_scale, dequantize, quantize
 from .state import AttentionState, merge_states
 
 __all__ = ["IMPLEMENTATION", "CPCache", "cp_attention_forward", "cp_attention_mask", "decode_ahead"]
@@ -612,14 +612,13 @@ class CPCacheLayer(CacheLayerMixin):
         new_v = torch.maximum(self.v_scale, amax_scale(v, self.dtype, 1))
         if not bool(((new_k > self.k_scale) | (new_v > self.v_scale)).any()):  # one host read (eager)
             return
-        head = 1 if self.shared.page_size is None else 2  # [B, Hkv, slots, D] or pools [P, page, Hkv, D]
-        shape = [1, 1, 1, 1]
-        shape[head] = -1
-        for buf, old, new in ((self._k, self.k_scale, new_k), (self._v, self.v_scale, new_v)):
-            ratio = (old / new).view(shape)
-            buf.view(torch.uint8).copy_(quantize(buf.float() * ratio, torch.ones((), device=buf.device), self.dtype,
-                                                 head).view(torch.uint8))
-            old.copy_(new)
+        layout = "HND" if self.shared.page_size is None else "NHD"  # [B, Hkv, slots, D] or [P, page, Hkv, D]
+        k, v = dequantize(self._k, self._v, self.k_scale, self.v_scale, layout)
+        head = 1 if layout == "HND" else 2
+        self._k.copy_(quantize(k, new_k, self.dtype, head))
+        self._v.copy_(quantize(v, new_v, self.dtype, head))
+        self.k_scale.copy_(new_k)
+        self.v_scale.copy_(new_v)
 
     def get_seq_length(self):
         """The global (padded) length, as a ``DynamicCache`` reports it (a 0-d tensor for preallocated layers,
@@ -682,12 +681,8 @@ class CPCacheLayer(CacheLayerMixin):
             b = pages.shape[0]
             k, v = (t[pages].reshape(b, cols * ps, self.heads_kv, self.head_dim)[:, :n].transpose(1, 2)
                     for t in (self._k, self._v))
-        if self.k_scale is not None:
-            k = (k.float() * self.k_scale.view(1, -1, 1, 1)).to(dtype)
-            v = (v.float() * self.v_scale.view(1, -1, 1, 1)).to(dtype)
-        elif k.dtype != dtype:
-            k, v = k.to(dtype), v.to(dtype)
-        return k, v
+        k, v = dequantize(k, v, self.k_scale, self.v_scale)  # FP8 to float32 (HND), else themselves
+        return (k, v) if k.dtype == dtype else (k.to(dtype), v.to(dtype))
 
 
 class CPCache(Cache):
