@@ -204,6 +204,8 @@ def _read_config(config) -> tuple:
 _STEP_DIFFERS = ("CPCache: every rank must run the same decode step; layer 0's new keys differ between ranks (the "
                  "tokens fed back part: the generation settings -- sampling and its seed, logits processors -- must "
                  "be the same on every rank)")
+_PADDING_RANKS = ("CPCache: every rank must run the same forward; the attention_mask's left padding differs between "
+                  "ranks")
 _PADDING_DIFFERS = ("CPCache: this forward's attention_mask hides other positions than the first forward's left "
                     "padding (a zero after a one, padding added or dropped, or no mask for a padded batch); the "
                     "cache attends the first forward's padding: pass that mask extended with ones, or reset() the "
@@ -240,6 +242,7 @@ class _Shared:
         self.padded = False  # the cache's rows have left padding (fixed by the first forward on the empty cache)
         self.pad = None  # [B] int32 on the device: each row's first real position (zeros without padding)
         self.fresh = False  # this forward starts on the empty cache (eager; traced forwards: False)
+        self.step_values = None  # a decode step's agreement values, gathered at layer 0's attention (padding)
         self.host_end = 0  # static layers: the global length after the last forward, where the host knows it
         self.config, self.windows = None, ()  # the model's (text) config and its layers' windows
         self.memo = {}
@@ -297,11 +300,12 @@ class _Shared:
         self.step = s
         if not _compiling():
             self.memo = {}
+        self.step_values = None
         if self.world > 1:
             if s > 1 and not _compiling():
                 self._agree(key_states)
             elif s == 1:
-                self._agree_step(key_states)
+                self.step_values = self._step_values(key_states)
 
     def _agree(self, key_states) -> None:
         """Every rank runs the same forward: the batch, tokens, global length, KV heads and head dim, the cache's
@@ -331,23 +335,23 @@ class _Shared:
             raise ValueError("CPCache: every rank must run the same forward with the same inputs and weights; layer "
                              "0's new keys differ between ranks (other prompts, padding or weights)")
 
-    def _agree_step(self, key_states) -> None:
+    def _step_values(self, key_states) -> torch.Tensor:
         """A decode step (one new token a row) is the same forward on every rank: the same global position, and
         layer 0's new keys (which the token fed back sets) by the sums of :meth:`_agree`. Generation settings
         that differ between ranks (sampling and its seed, logits processors) make the tokens part; the step
         after that feeds different tokens, and merging its states would give every rank a wrong answer.
 
-        One all-gather of four float64 values a step, compared on the device. Eager steps read the verdict
-        before the layer attends and raise ``ValueError`` on every rank; under :func:`decode_ahead` the
-        verdict is read a step late (the host must not wait for the GPU), its last ones when the loop ends.
-        A traced step asserts on the device (a failure stops the process, as past ``max_cache_len``)."""
+        The four float64 values this rank contributes; :meth:`padding` gathers them with the padding's verdict
+        in one all-gather a step and compares them on the device (:meth:`_step_differs`)."""
         start = (self.start.to(torch.float64).view(1) if self.static else
                  torch.full((1,), float(self.host_start), dtype=torch.float64, device=key_states.device))
-        mine = torch.cat([start, _key_sums(key_states)])
-        everyone = all_gather_traceable(mine, self.group).view(self.world, -1)
+        return torch.cat([start, _key_sums(key_states)])
+
+    @staticmethod
+    def _step_differs(everyone) -> torch.Tensor:
+        """``everyone [W, 4]``: every rank's :meth:`_step_values`; a 0-d bool, True where they disagree."""
         tol = 1e-3 * everyone[:, 1].max() + 1e-30
-        bad = (everyone[:, 0] != everyone[0, 0]).any() | ((everyone[:, 2:] - everyone[0, 2:]).abs() > tol).any()
-        self.verdict(bad, _STEP_DIFFERS)
+        return (everyone[:, 0] != everyone[0, 0]).any() | ((everyone[:, 2:] - everyone[0, 2:]).abs() > tol).any()
 
     def verdict(self, bad, message: str) -> None:
         """Act on a device-side check ``bad`` (a 0-d bool tensor) of a forward: eager, ``ValueError(message)``
@@ -382,14 +386,35 @@ class _Shared:
         """The rows' first real positions to attend with (``[B]`` int32, or ``None``: no padding), given those
         of this forward's mask (``first``, ``-1`` for a row that is not left padding, or ``None``). The first
         forward on the empty cache fixes the padding; every later forward's mask must give the same (checked at
-        layer 0 through :meth:`verdict`): the positions a decode step's mask hides are those of the prefill."""
+        layer 0 through :meth:`verdict`): the positions a decode step's mask hides are those of the prefill.
+
+        With several ranks every rank passes the same padding (the first forward's, by two sums over its rows)
+        and a verdict holds on every rank: one all-gather, which at a decode step also carries the step's
+        agreement (:meth:`_step_values`), so a step costs one all-gather of six float64 values."""
         if layer_idx == 0:
             given = torch.zeros_like(self.pad) if first is None else first.to(torch.int32)
             if self.fresh:
                 self.pad.copy_(given)
                 self.padded = first is not None
+                weight = torch.arange(1, given.shape[0] + 1, device=given.device, dtype=torch.float64)
+                mine = torch.stack([given.double().sum(), (given.double() * weight).sum()])
             else:
-                self.verdict((given != self.pad).any(), _PADDING_DIFFERS)
+                mine = torch.stack([(given != self.pad).any().double(), torch.zeros((), dtype=torch.float64,
+                                                                                     device=given.device)])
+            if self.world == 1:
+                if not self.fresh:
+                    self.verdict(mine[0] > 0, _PADDING_DIFFERS)
+            else:
+                step, self.step_values = self.step_values, None
+                everyone = all_gather_traceable(mine if step is None else torch.cat([step, mine]), self.group)
+                everyone = everyone.view(self.world, -1)
+                if step is not None:
+                    self.verdict(self._step_differs(everyone[:, :-2]), _STEP_DIFFERS)
+                everyone = everyone[:, -2:]
+                if self.fresh:
+                    self.verdict((everyone != everyone[0]).any(), _PADDING_RANKS)
+                else:
+                    self.verdict(everyone[:, 0].any(), _PADDING_DIFFERS)
         return self.pad if self.padded else None
 
     def end_value(self):

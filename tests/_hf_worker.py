@@ -65,6 +65,18 @@ def main():
             ids, mask = prompts(seed=2 if other == "prompt" else 1, padded=case.get("padded", True) and other != "padding",
                                 row=case.get("row"))
             seed = 1 if other == "seed" else 0
+            if case.get("same_positions"):  # one prefill forward, position ids fixed by the padded mask on every rank
+                positions = (mask.cumsum(-1) - 1).clamp(min=0)
+                if other == "mask":  # the same token ids and positions, the padding not masked
+                    mask = torch.ones_like(mask)
+                try:
+                    with torch.no_grad():
+                        model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                              **{cache_kwarg(model): cache})
+                    results[case["id"]] = "no error"
+                except ValueError as exc:
+                    results[case["id"]] = str(exc)
+                continue
             if case.get("compiled_step"):
                 results[case["id"]] = compiled_steps(model, ids, mask, cache, token_differs=other == "token")
                 continue

@@ -618,6 +618,11 @@ DIST_CASES = {
         for what, expect in (("prompt", "layer 0's new keys differ"), ("padding", "layer 0's new keys differ"),
                              ("weights", "layer 0's new keys differ"), ("window", "same cache dtype and layer windows"),
                              ("dtype", "same cache dtype and layer windows"))] + [
+        # the same ids and positions, the padding masked on rank 0 only: the keys agree, the masks do not
+        {"id": "differs-mask", "arch": "llama", "rank_differs": "mask", "same_positions": True,
+         "expect": "left padding differs between ranks"},
+        {"id": "same-mask", "arch": "llama", "same_positions": True, "expect": "no error"},
+    ] + [
         # rank 1 samples with another seed: the tokens part, and the next decode step raises on every rank
         {"id": "differs-seed", "arch": "llama", "mode": "sample", "rank_differs": "seed", "expect": STEP_DIFFERS},
         {"id": "differs-seed-ahead-static", "arch": "llama", "mode": "sample", "ahead": True, "rank_differs": "seed",
