@@ -18,11 +18,28 @@ POISON_OUTPUTS = False
 _NUM_SMS: dict = {}
 _PDL: dict = {}
 _SM90: dict = {}
+_INTERPRETED: list = [None]  # whether triton's own @jit functions were made interpreted (set at first need)
 
 
 def interpreting() -> bool:
-    """Whether Triton kernels run under the interpreter (``TRITON_INTERPRET=1``), read at every call."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    """Whether Triton kernels run under the interpreter (``TRITON_INTERPRET=1``), read at every call.
+
+    Triton makes its ``@triton.jit`` functions (its own library's among them) interpreted or compiled when
+    it defines them, at import: the flag turned on after ``triton`` was imported without it (directly, or by
+    ``torch.compile`` or ``cp_attention.distributed``) cannot run them, and raises ``RuntimeError``."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    if _INTERPRETED[0] is None:
+        from triton.language import standard
+        from triton.runtime.jit import JITFunction
+
+        _INTERPRETED[0] = not isinstance(getattr(standard, "cdiv", None), JITFunction)
+    if not _INTERPRETED[0]:
+        raise RuntimeError("TRITON_INTERPRET=1 was set after triton was imported without it (by your code, "
+                           "torch.compile or cp_attention.distributed): Triton's functions are compiled ones, "
+                           "which the interpreter cannot run; set it before the process imports triton (e.g. in "
+                           "the environment it starts with), or unset it for the CPU torch path")
+    return True
 
 
 def use_triton(t: torch.Tensor) -> bool:

@@ -69,6 +69,36 @@ def check_no_overlap(name: str, t: torch.Tensor) -> None:
         span += (size - 1) * stride
 
 
+def check_disjoint(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
+    """Two outputs in distinct memory: no byte of one lies in the other (views interleaved in one buffer, such
+    as ``[o | lse]`` rows, pass). The addresses are compared only where the two spans meet."""
+    if is_fake(a) or is_fake(b) or not a.numel() or not b.numel():
+        return
+    rel = b.data_ptr() - a.data_ptr()
+    if 0 - _span_bytes(b) < rel < _span_bytes(a) and _addresses_meet(a, b, rel):
+        raise ValueError(f"{name_a} and {name_b} must not share memory, got views with bytes in common")
+
+
+def _span_bytes(t: torch.Tensor) -> int:
+    return (1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))) * t.element_size()
+
+
+def _element_offsets(t: torch.Tensor) -> torch.Tensor:
+    off = torch.zeros((), dtype=torch.int64)
+    for size, stride in zip(t.shape, t.stride()):
+        off = off[..., None] + torch.arange(size) * stride
+    return off.reshape(-1)
+
+
+def _addresses_meet(a: torch.Tensor, b: torch.Tensor, rel: int) -> bool:
+    """Whether a byte of ``b`` (``rel`` bytes after ``a``'s first) lies in an element of ``a`` (host arithmetic
+    on the strides; no device work)."""
+    starts = torch.sort(_element_offsets(a) * a.element_size()).values
+    addresses = (rel + _element_offsets(b)[:, None] * b.element_size() + torch.arange(b.element_size())).reshape(-1)
+    i = (torch.searchsorted(starts, addresses, right=True) - 1).clamp(min=0)
+    return bool(((addresses >= starts[i]) & (addresses < starts[i] + a.element_size())).any())
+
+
 def check_head_dim(d: int, name: str = "q") -> None:
     if d % 8 != 0 or not 32 <= d <= 256:
         raise ValueError(f"{name} head dim must be a multiple of 8 in [32, 256], got {d}")
@@ -338,6 +368,52 @@ def check_split_size(split_size, *, num_splits=None, plan=None, window_left=None
             raise ValueError(f"split_size fixes the splits: {name} must be None with it, got {value!r}")
 
 
+def check_plan(plan, *, t_max: int, q_rows: int, page_size: int, window_left=None, row_limits=False) -> None:
+    """A :class:`~cp_attention.heuristics.DecodePlan` given to :func:`cp_attention.flash_decode` (checked on
+    every path, though the torch path runs no plan): positive ints where the kernels need them, tiles of a
+    power of two of at least 16 keys, warps a power of two, and splits that cover the positions a call reads
+    (``num_splits * tiles_per_split * block_n`` of at least ``T_max``, or with a window its ``window_left +
+    Q``; the one-warp kernel's splits start a tile below the first key, one tile more): a plan that reads
+    fewer would leave keys out of the softmax. ``split_pages`` > 0 (a paged cache's entries of a split in
+    registers, used without a window or row limits): a power of two of at least the entries a split touches,
+    on pages of a power of two of at least 16 positions."""
+    from .heuristics import MAX_SPLIT_PAGES, ONE_WARP_CONFIGS, DecodeConfig, DecodePlan
+
+    if not isinstance(plan, DecodePlan):
+        raise TypeError(f"plan must be a heuristics.DecodePlan, got {type(plan).__name__}")
+    cfg = plan.config
+    if not isinstance(cfg, DecodeConfig):
+        raise TypeError(f"plan.config must be a heuristics.DecodeConfig, got {type(cfg).__name__}")
+    block_n = check_int("plan.config.block_n", cfg.block_n, 16, 1024)
+    warps = check_int("plan.config.num_warps", cfg.num_warps, 1, 32)
+    for name, value, hint in (("block_n", block_n, "keys"), ("num_warps", warps, "warps")):
+        if value & (value - 1):
+            raise ValueError(f"plan.config.{name} must be a power of two ({hint}), got {value}")
+    check_int("plan.config.num_stages", cfg.num_stages, 1, 8)
+    for name in ("programs", "maxnreg", "warp_rows"):
+        check_int(f"plan.config.{name}", getattr(cfg, name), 0, 255)
+    splits = check_int("plan.num_splits", plan.num_splits, 1)
+    tiles = check_int("plan.tiles_per_split", plan.tiles_per_split, 1)
+    check_int("plan.streams", plan.streams, 1, block_n // 16)
+    check_bool("plan.deterministic", plan.deterministic)
+    check_bool("plan.page_tiles", plan.page_tiles)
+    unaligned = window_left is not None or row_limits  # splits from the first key, not from a tile
+    reach = t_max if window_left is None else min(t_max, window_left + q_rows)
+    if unaligned and cfg in ONE_WARP_CONFIGS:
+        reach = min(t_max, reach + block_n - 1)
+    if splits * tiles * block_n < reach:
+        raise ValueError(f"plan covers {splits} splits x {tiles} tiles x {block_n} keys = {splits * tiles * block_n} "
+                         f"positions, fewer than the {reach} this call reads (the cache's T_max, or the window's "
+                         f"reach): heuristics.decode_plan(...) with this call's shapes gives one that covers them")
+    pages = check_int("plan.split_pages", plan.split_pages, 0, MAX_SPLIT_PAGES)
+    if pages and page_size and not unaligned:
+        need = -(-tiles * block_n // page_size) + (page_size > block_n)  # a split starting mid-page: one more
+        if page_size < 16 or page_size & (page_size - 1) or pages & (pages - 1) or pages < need:
+            raise ValueError(f"plan.split_pages ({pages}) must be a power of two of at least the {need} block-table "
+                             f"entries a split touches, on pages of a power of two of at least 16 positions "
+                             f"(got {page_size}); 0 reads an entry a key")
+
+
 def unpack_out(out):
     """``out`` of :func:`cp_attention.flash_decode` as ``(o, lse or None)``."""
     if isinstance(out, torch.Tensor):
@@ -368,10 +444,8 @@ def check_decode_args(q, k, v, seq_lens, *, block_table=None, num_splits=None, k
         if num_splits < 1:
             raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     if plan is not None:
-        from .heuristics import DecodePlan
-
-        if not isinstance(plan, DecodePlan):
-            raise TypeError(f"plan must be a heuristics.DecodePlan, got {type(plan).__name__}")
+        check_plan(plan, t_max=cache.t_max, q_rows=q_rows, page_size=cache.page_size, window_left=window_left,
+                   row_limits=row_limits is not None)
         if num_splits is not None:
             raise ValueError("num_splits must be None when plan is given (the plan fixes the splits)")
     if out is not None:
@@ -387,6 +461,7 @@ def check_decode_args(q, k, v, seq_lens, *, block_table=None, num_splits=None, k
             if lse_out.shape != q.shape[:-1]:
                 raise ValueError(f"out.lse must have shape {tuple(q.shape[:-1])}, got {tuple(lse_out.shape)}")
             check_no_overlap("out.lse", lse_out)
+            check_disjoint("out", o_out, "out.lse", lse_out)
     check_sm_scale(sm_scale)
     check_split_size(split_size, num_splits=num_splits, plan=plan, window_left=window_left)
     check_bool("return_lse", return_lse)

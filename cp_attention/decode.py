@@ -140,7 +140,9 @@ def _out_key(out) -> tuple:
     if isinstance(out, torch.Tensor):
         return signature(out)
     o, lse = out
-    return (out.__class__, signature(o), signature(lse))
+    # views of one buffer: whether they share bytes (checked on a miss) depends on where lse starts in it
+    rel = lse.data_ptr() - o.data_ptr() if o.untyped_storage().data_ptr() == lse.untyped_storage().data_ptr() else None
+    return (out.__class__, signature(o), signature(lse), rel)
 
 
 def _rare_key(block_table, k_scale, v_scale, window_left, logit_softcap, sinks, plan, num_splits, split_size,
@@ -213,9 +215,12 @@ def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num
             and a row that sees no key gets ``o = 0``, ``lse = sink``.
         return_lse: also return the natural-log LSE.
         out: where to write: a tensor of q's shape (q's dtype or float32, unit stride in D), or an
-            ``AttentionState(o, lse of shape q.shape[:-1] float32)``; any strides that do not overlap. Then no
-            output is allocated.
-        plan: a :class:`cp_attention.heuristics.DecodePlan` to run instead of the policy's.
+            ``AttentionState(o, lse of shape q.shape[:-1] float32)``; any strides that do not overlap, ``o`` and
+            ``lse`` sharing no byte (``[o | lse]`` rows of one buffer are fine). Then no output is allocated.
+        plan: a :class:`cp_attention.heuristics.DecodePlan` to run instead of the policy's: its splits must
+            cover the positions the call reads (``num_splits * tiles_per_split * block_n >= T_max``, or
+            ``window_left + Q`` with a window; else ``ValueError``), its tiles a power of two of at least 16
+            keys. Checked on every path; the torch path runs no plan.
         row_limits: ``[B, Q, 2]`` int32/int64 on q's device (``Q = 1`` for a 3-dim ``q``): row ``i`` of
             request ``b`` sees exactly the cache positions ``row_limits[b, i, 0] <= p < row_limits[b, i, 1]``
             (and ``p < seq_lens[b]``) instead of the causal rule; for callers that place keys themselves
@@ -225,8 +230,8 @@ def flash_decode(q, k, v, seq_lens=None, *, block_table=None, sm_scale=None, num
         ``o`` of q's shape in q's dtype (or ``out``'s), or ``AttentionState(o, lse of shape q.shape[:-1]
         float32, natural log)`` with ``return_lse=True``. An empty sequence gives ``o = 0``, ``lse =
         -inf``. CUDA tensors run the Triton kernel (no host sync: it can be captured in a CUDA graph); CPU
-        tensors run it under ``TRITON_INTERPRET=1``, else the float32 torch path. See Note [The decode hot
-        path].
+        tensors run it under ``TRITON_INTERPRET=1`` (set before the process imports triton), else the
+        float32 torch path. See Note [The decode hot path].
 
     >>> q, k = torch.randn(2, 8, 64), torch.randn(2, 2, 100, 64)
     >>> flash_decode(q, k, k, torch.tensor([100, 7]), return_lse=True).lse.shape

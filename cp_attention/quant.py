@@ -55,7 +55,9 @@ def amax_scale(x: torch.Tensor, dtype: torch.dtype, head_dim: int | None) -> tor
     values, per tensor (0-d; ``head_dim`` None) or per index of dim ``head_dim``; 1 where the amax is 0, and at
     least the smallest normal float32 (a positive scale however small the values)."""
     finite = torch.where(torch.isfinite(x), x.float().abs(), torch.zeros((), device=x.device))
-    if head_dim is None:
+    if not x.numel():  # an empty cache: the amax of nothing is 0
+        amax = finite.new_zeros(() if head_dim is None else (x.shape[head_dim],))
+    elif head_dim is None:
         amax = finite.amax()
     else:
         dims = [d for d in range(x.dim()) if d != head_dim]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cp_attention import AttentionState, flash_decode, merge
-from cp_attention.heuristics import DecodeConfig, decode_config, decode_plan
+from cp_attention.heuristics import DecodeConfig, DecodePlan, decode_config, decode_plan
 from cp_attention.reference import attention
 
 from .conftest import DEVICE, assert_state_matches
@@ -308,6 +308,18 @@ BAD = [
     ("plan-type", lambda: flash_decode(q0, k0, v0, plan=(128, 4, 3)), TypeError, "plan"),
     ("plan-and-num_splits", lambda: flash_decode(q0, k0, v0, plan=decode_plan(2, 2, 64, 64, torch.float16, 132),
                                                  num_splits=2), ValueError, "num_splits"),
+    ("plan-short", lambda: flash_decode(q0, k0, v0, plan=DecodePlan(DecodeConfig(16, 4, 1), 2, 1)), ValueError,
+     "plan covers"),
+    ("plan-short-window", lambda: flash_decode(q0, k0, v0, window_left=16,
+                                               plan=DecodePlan(DecodeConfig(16, 4, 1), 1, 1)), ValueError, "plan covers"),
+    ("plan-no-splits", lambda: flash_decode(q0, k0, v0, plan=DecodePlan(DecodeConfig(16, 4, 1), 0, 4)), ValueError,
+     "plan.num_splits"),
+    ("plan-tile", lambda: flash_decode(q0, k0, v0, plan=DecodePlan(DecodeConfig(24, 4, 1), 1, 3)), ValueError,
+     "plan.config.block_n"),
+    ("out-lse-inside-o", lambda: (lambda o: flash_decode(q0, k0, v0, out=(o, o.view(-1)[16:32].view(2, 8))))(
+        torch.empty(2, 8, 64, device=DEVICE)), ValueError, "out and out.lse must not share memory"),
+    ("out-lse-overlaps-o", lambda: (lambda buf: flash_decode(q0, k0, v0, out=(buf[:, :, :64], buf[:, :, 63])))(
+        torch.empty(2, 8, 65, device=DEVICE)), ValueError, "out and out.lse must not share memory"),
     ("layout", lambda: flash_decode(q0, k0, v0, kv_layout="BHTD"), ValueError, "kv_layout"),
     ("seq_lens-dtype", lambda: flash_decode(q0, k0, v0, torch.ones(2)), TypeError, "seq_lens"),
     ("seq_lens-shape", lambda: flash_decode(q0, k0, v0, lens(1, 2, 3)), ValueError, "seq_lens"),
@@ -327,9 +339,15 @@ BAD = [
 ]
 
 
+@pytest.mark.parametrize("path", ["kernels", "torch"])
 @pytest.mark.parametrize("fn,exc,name", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
-def test_bad_input(fn, exc, name):
-    # The message starts with the argument's name (a bare search for "v" would match "have").
+def test_bad_input(fn, exc, name, path, monkeypatch):
+    # The message starts with the argument's name (a bare search for "v" would match "have"); the CPU torch
+    # path refuses the same inputs.
+    if path == "torch":
+        if DEVICE != "cpu":
+            pytest.skip("the torch path is the CPU fallback")
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(exc, match=rf"^{name}\b"):
         fn()
 

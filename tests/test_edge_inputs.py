@@ -1,14 +1,21 @@
 """Inputs at the edges of the contract, one process: each either gives the exact answer or raises a
 ValueError/TypeError naming the argument (never a crash, a NaN or a silent wrong answer)."""
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
 from cp_attention import AttentionState, flash_decode, lse_from_base2, lse_to_base2, quantize_kv
 from cp_attention.distributed import CPKVCache
-from cp_attention.distributed.agree import real_word, value_word
+from cp_attention.distributed.agree import real_word, scale_word, value_word
 from cp_attention.reference import attention
 
+ROOT = Path(__file__).resolve().parents[1]
 INTERP = pytest.mark.parametrize("path", ["interp", "torch"])
 
 
@@ -96,6 +103,42 @@ def test_agreement_words_compare_values_not_forms():
     assert real_word(torch.tensor([0.5, 0.25])) == real_word(torch.tensor([0.5, 0.25], dtype=torch.float64))
     assert real_word(None) == 0 != real_word(0.0)
     assert value_word(np.int64(32)) == value_word(32) != value_word(None)
+    # sm_scale as the kernels take it (float32): the default and its spellings one float64 ulp apart agree
+    assert 32 ** -0.5 != 1 / math.sqrt(32)
+    assert scale_word(None, 32) == scale_word(32 ** -0.5, 32) == scale_word(1 / math.sqrt(32), 32)
+    assert scale_word(None, 32) != scale_word(np.nextafter(np.float32(32 ** -0.5), np.float32(1)).item(), 32)
+
+
+@INTERP
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("shape", [(2, 2, 0, 32), (0, 2, 16, 32)], ids=["T0", "B0"])
+def test_an_empty_cache_quantises_with_scale_one(monkeypatch, path, per_head, shape):
+    _path(monkeypatch, path)
+    k = torch.randn(shape)
+    k8, v8, ks, vs = quantize_kv(k, k, per_head=per_head)
+    assert k8.shape == shape and ks.shape == ((2,) if per_head else ()) and (ks == 1).all() and (vs == 1).all()
+    st = flash_decode(torch.randn(shape[0], 4, 32).bfloat16(), k8, v8, k_scale=ks, v_scale=vs, return_lse=True)
+    assert (st.o == 0).all() and torch.isneginf(st.lse).all()
+    if shape[0]:  # a cache holds one request or more
+        cache = CPKVCache.from_prefix(k, k, torch.zeros(shape[0], dtype=torch.int32), 16,
+                                      dtype=torch.float8_e4m3fn, rank=0, world_size=1)
+        assert int(cache.seq_lens.sum()) == 0
+
+
+def test_the_interpreter_flag_set_after_triton_was_imported_is_refused():
+    """Triton makes its functions interpreted or compiled when it defines them: the flag turned on later
+    raises a RuntimeError that says so (not an error from inside Triton)."""
+    code = ("import os, torch, triton\n"
+            "from cp_attention import flash_decode\n"
+            "os.environ['TRITON_INTERPRET'] = '1'\n"
+            "try:\n"
+            "    flash_decode(torch.randn(1, 4, 32), torch.randn(1, 2, 8, 32), torch.randn(1, 2, 8, 32))\n"
+            "except RuntimeError as exc:\n"
+            "    print(exc)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert "TRITON_INTERPRET=1 was set after triton was imported" in out.stdout, out.stdout + out.stderr
 
 
 @pytest.mark.parametrize("call, error, match", [

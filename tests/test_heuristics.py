@@ -235,6 +235,7 @@ def test_one_warp_fp8_domain_and_plan(monkeypatch):
     for page in (1, 8, 16, 24, 32, 48, 64, 256, 1024):
         assert one_warp_fp8(cuda, e4m3, 128, 4, 131072, True, page)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr("cp_attention._device._INTERPRETED", [True])  # as if triton were imported under it
     assert not one_warp_fp8(cuda, e4m3, 128, 4, 131072, True)
     long_tiles = {(1, 131072): (66, FP8_ONE_WARP_FEW), (1, 1 << 20): (132, FP8_ONE_WARP_LONG),
                   (16, 32768): (4, FP8_ONE_WARP_FEW), (64, 8192): (1, FP8_ONE_WARP_FEW),
@@ -284,3 +285,67 @@ def test_one_warp_fp8_domain_and_plan(monkeypatch):
             assert paged[:3] == dense[:3], (dense, paged)
         else:  # 16-key tiles in the eight programs' splits where the pages do not hold 32-key ones
             assert paged[:3] == eight[:3], (eight, paged)
+
+
+@pytest.mark.parametrize("one_warp", [False, True], ids=["triton", "one-warp"])
+def test_the_policys_plans_pass_the_given_plan_check(monkeypatch, one_warp):
+    """Every plan flash_decode makes itself (dense and paged, windows, row limits, draft rows, FP8, fixed
+    splits, the one-warp kernel's) passes the check of a caller's plan: the check refuses only plans that
+    read fewer positions or that the kernels cannot run."""
+    from cp_attention._validate import check_plan
+    from cp_attention.heuristics import plan_decode
+
+    monkeypatch.setattr("cp_attention.heuristics.one_warp_fp8", lambda *args: one_warp)
+    cpu, bf, e4m3 = torch.device("cpu"), torch.bfloat16, torch.float8_e4m3fn
+    seen = set()
+    for b, t, d, kv, q_rows, page, window, limits, splits, size in itertools.product(
+            (1, 16), (37, 4096, 131072), (64, 128, 256), (bf, e4m3), (1, 4), (0, 1, 16, 64, 256), (None, 0, 700),
+            (False, True), (None, 3), (None, 64)):
+        if (limits and window is not None) or (size is not None and (splits or window is not None)):
+            continue
+        t_max = -(-t // max(page, 1)) * max(page, 1)
+        plan = plan_decode(cpu, b, 8, t_max, d, bf, kv, q_rows, 4, page, num_splits=splits, window_left=window,
+                           row_limits=limits, split_size=size)
+        check_plan(plan, t_max=t_max, q_rows=q_rows, page_size=page, window_left=window, row_limits=limits)
+        seen.add((plan.config, plan.split_pages > 0, plan.page_tiles, plan.streams > 1, plan.deterministic))
+    assert len(seen) >= (6 if one_warp else 10), seen
+
+
+def test_a_given_plan_covers_the_positions_it_reads():
+    """A caller's plan reads at least T_max positions (a window's window_left + Q), a tile more for the
+    one-warp kernel's splits under a window; the smallest that does passes, one position less is refused."""
+    from cp_attention._validate import check_plan
+
+    cfg = DecodeConfig(16, 4, 1)
+    check_plan(DecodePlan(cfg, 3, 7), t_max=336, q_rows=1, page_size=0)
+    with pytest.raises(ValueError, match=r"^plan covers 3 splits x 7 tiles x 16 keys = 336 positions, fewer than "
+                                         r"the 337"):
+        check_plan(DecodePlan(cfg, 3, 7), t_max=337, q_rows=1, page_size=0)
+    check_plan(DecodePlan(cfg, 1, 1), t_max=5000, q_rows=4, page_size=0, window_left=12)
+    with pytest.raises(ValueError, match="fewer than the 17"):
+        check_plan(DecodePlan(cfg, 1, 1), t_max=5000, q_rows=4, page_size=0, window_left=13)
+    with pytest.raises(ValueError, match="fewer than the 31"):  # 16 + 15: a tile below the first key
+        check_plan(DecodePlan(FP8_ONE_WARP, 1, 1), t_max=5000, q_rows=1, page_size=0, window_left=15)
+    check_plan(DecodePlan(FP8_ONE_WARP, 2, 1), t_max=5000, q_rows=1, page_size=0, window_left=15)
+    bad = [(DecodePlan(DecodeConfig(24, 4, 1), 1, 20), ValueError, "plan.config.block_n must be a power of two"),
+           (DecodePlan(DecodeConfig(8, 4, 1), 1, 60), ValueError, r"plan.config.block_n must be in \[16"),
+           (DecodePlan(DecodeConfig(16, 3, 1), 1, 30), ValueError, "plan.config.num_warps must be a power of two"),
+           (DecodePlan(DecodeConfig(16, 4, 0), 1, 30), ValueError, "plan.config.num_stages"),
+           (DecodePlan(cfg, 0, 30), ValueError, "plan.num_splits"),
+           (DecodePlan(cfg, 1.5, 30), TypeError, "plan.num_splits"),
+           (DecodePlan(cfg, 1, 0), ValueError, "plan.tiles_per_split"),
+           (DecodePlan(DecodeConfig(32, 4, 1), 1, 15, streams=3), ValueError, "plan.streams"),
+           (DecodePlan(cfg, 1, 30, page_tiles=1), TypeError, "plan.page_tiles"),
+           ((cfg, 1, 30), TypeError, "plan must be a heuristics.DecodePlan"),
+           (DecodePlan((16, 4, 1), 1, 30), TypeError, "plan.config must be a heuristics.DecodeConfig")]
+    for plan, exc, match in bad:
+        with pytest.raises(exc, match=match):
+            check_plan(plan, t_max=300, q_rows=1, page_size=0)
+    # the register table: a power of two of at least the entries a split touches (+1 from a mid-page start)
+    check_plan(DecodePlan(cfg, 10, 4, split_pages=4), t_max=640, q_rows=1, page_size=16)
+    check_plan(DecodePlan(DecodeConfig(64, 4, 2), 5, 2, split_pages=2), t_max=640, q_rows=1, page_size=128)
+    for pages, page in ((2, 16), (3, 16), (4, 8), (1, 128)):
+        with pytest.raises(ValueError, match="plan.split_pages"):
+            check_plan(DecodePlan(cfg if page != 128 else DecodeConfig(64, 4, 2), 10, 4, split_pages=pages), t_max=640,
+                       q_rows=1, page_size=page)
+    check_plan(DecodePlan(cfg, 10, 4, split_pages=1), t_max=640, q_rows=1, page_size=16, window_left=100)  # unused

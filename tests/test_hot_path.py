@@ -157,6 +157,24 @@ def test_a_prepared_key_does_not_skip_the_checks(cuda_path):
     assert len(cuda_path) == 2  # nothing launched
 
 
+def test_an_out_pair_sharing_bytes_is_refused_after_a_good_one(cuda_path):
+    """``out=(o, lse)`` as views of one fp32 buffer: ``[o | lse]`` rows (as the context-parallel exchange packs
+    them) are prepared and replayed; then views of the same shapes and strides whose bytes meet raise before
+    any launch (where lse starts in the buffer is part of the key)."""
+    q, k, v, sl = make()
+    packed = torch.empty(2, 8, 65)
+    args = dict(q=q, k=k, v=v, seq_lens=sl, return_lse=True)
+    for _ in range(2):
+        flash_decode(**args, out=AttentionState(packed[..., :64], packed[..., 64]))
+    assert [kind for kind, _ in cuda_path] == ["jit", "run"]
+    for lse in (packed[..., 63], packed[..., 0]):
+        with pytest.raises(ValueError, match="^out and out.lse must not share memory"):
+            flash_decode(**args, out=AttentionState(packed[..., :64], lse))
+    assert len(cuda_path) == 2
+    flash_decode(**args, out=AttentionState(packed[..., 1:], packed[..., 0]))  # the other way round: disjoint
+    assert [kind for kind, _ in cuda_path] == ["jit", "run", "jit"]
+
+
 def test_fp8_float_scales_are_checked_at_every_call(cuda_path):
     q, k, v, sl = make()
     k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)

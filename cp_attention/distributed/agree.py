@@ -11,10 +11,11 @@ lengths of its sequences (by value: every rank must have appended and rolled bac
 whose arguments differ would not hang: it would merge states of another attention and return a wrong
 answer, on some ranks only. The values of ``q`` are not compared (a digest would read ``q`` on the host at every
 step). With ``check_metadata=True`` (the default) each rank validates its own arguments and all-gather one
-fixed-size vector of int64 words: an ok flag, then each argument's value (floats as the IEEE bits of their
-float64 value, tensors as a 64-bit digest of their values as float64; ``-0.0`` counts as ``0.0`` and every NaN
-as one, and an FP8 scale as its value per KV head, so a float, a 0-d tensor and an ``[Hkv]`` tensor of one value
-agree; ``tensor(0.01)``, a float32 number, is not the float ``0.01``). A rank that rejected its arguments raises
+fixed-size vector of int64 words: an ok flag, then each argument's value (``sm_scale`` as the IEEE bits of the
+float32 the kernels take, other floats as those of their float64 value, tensors as a 64-bit digest of their
+values as float64; ``-0.0`` counts as ``0.0`` and every NaN as one, and an FP8 scale as its value per KV head, so
+a float, a 0-d tensor and an ``[Hkv]`` tensor of one value agree; ``tensor(0.01)``, a float32 number, is not the
+float ``0.01``). A rank that rejected its arguments raises
 its own error, the others raise naming it; a word that differs raises on every rank naming the argument. The
 collective syncs with the host (it reads tensor values), so it is skipped while a CUDA graph is being captured:
 a replay costs nothing, and the eager calls before the capture (the warm-up) have checked the same arguments. A
@@ -64,6 +65,13 @@ def value_word(x) -> int:
     if isinstance(x, torch.Tensor):
         return _digest(x)
     return int(x) + 1
+
+
+def scale_word(sm_scale, head_dim: int) -> int:
+    """The word of ``sm_scale`` as the kernels take it, a float32 (None: ``1 / sqrt(D)``): ``32 ** -0.5`` and
+    ``1 / math.sqrt(32)``, one float64 ulp apart, give the same bits and agree."""
+    value = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    return real_word(struct.unpack("<f", struct.pack("<f", value))[0])
 
 
 def real_word(x, per: int | None = None) -> int:
@@ -136,10 +144,9 @@ def decode_meta(q, k_shard, v_shard, seq_lens_shard, kwargs, row_limits, window_
     ``CPKVCache``'s global sequence lengths)."""
     geo = check_decode_args(q, k_shard, v_shard, seq_lens_shard, row_limits=row_limits, **kwargs)
     d = q.shape[-1]
-    sm_scale = kwargs.get("sm_scale")
     split_size = kwargs.get("split_size")
     words = [q.shape[0], geo.q_rows, q.shape[-2], d, _DTYPE_CODES[q.dtype], geo.hkv,
-             real_word(1.0 / math.sqrt(d) if sm_scale is None else sm_scale), value_word(split_size),
+             scale_word(kwargs.get("sm_scale"), d), value_word(split_size),
              split_slots(split_size, geo.t_max), value_word(window_left), real_word(kwargs.get("logit_softcap")),
              real_word(kwargs.get("k_scale"), geo.hkv), real_word(kwargs.get("v_scale"), geo.hkv),
              real_word(kwargs.get("sinks")), 0, 0, value_word(global_lens)]
@@ -149,11 +156,10 @@ def decode_meta(q, k_shard, v_shard, seq_lens_shard, kwargs, row_limits, window_
 def cascade_meta(q, checked, kwargs) -> list:
     """The words of a context-parallel cascade (its levels checked: ``[_validate.Level]``)."""
     d = q.shape[-1]
-    sm_scale = kwargs.get("sm_scale")
     kinds = hashlib.blake2b(repr([lv.kind for lv in checked]).encode(), digest_size=8).digest()
     hkv = checked[0].lvl.k.shape[2 if checked[0].lvl.block_table is not None else 1]
     return [q.shape[0], q.shape[1] if q.dim() == 4 else 1, q.shape[-2], d, _DTYPE_CODES[q.dtype], hkv,
-            real_word(1.0 / math.sqrt(d) if sm_scale is None else sm_scale), 0, 0, 0,
+            scale_word(kwargs.get("sm_scale"), d), 0, 0, 0,
             real_word(kwargs.get("logit_softcap")), real_word(kwargs.get("k_scale"), hkv),
             real_word(kwargs.get("v_scale"), hkv), real_word(kwargs.get("sinks")), struct.unpack("<q", kinds)[0],
             segments_word(checked), 0]
