@@ -42,7 +42,10 @@ the prompt has no padding. A mask with a zero after a one (not left padding) rai
 first forward on the empty cache fixes each row's padding; every later forward's mask must hide the same
 positions (``generate()`` extends the mask with ones), checked on the device once per forward (a decode
 step's mask function marks a row with a hole, the cache compares the rows with the prefill's), so an
-unpadded batch decodes without ``row_limits``.
+unpadded batch decodes without ``row_limits``. The one exception: a row that is padding at every cached
+position takes a later eager forward's longer padding (the chunks of a chunked prefill that hold only its
+zeros). A row with no real token attends nothing (``o = 0``), where transformers' eager attention averages
+the padding's values; its later tokens attend the generated ones only.
 
 Finding the cache. The attention function receives the module, not the cache. The cache layer's
 ``update`` records itself in a module-level slot that the attention function of the same layer reads and
@@ -210,6 +213,7 @@ _PADDING_DIFFERS = ("CPCache: this forward's attention_mask hides other position
                     "padding (a zero after a one, padding added or dropped, or no mask for a padded batch); the "
                     "cache attends the first forward's padding: pass that mask extended with ones, or reset() the "
                     "cache for a new batch")
+_PADDING_LATER = _PADDING_DIFFERS.replace("left padding", "left padding on some rank, or differs between ranks", 1)
 
 
 def _key_sums(key_states) -> torch.Tensor:
@@ -386,35 +390,44 @@ class _Shared:
         """The rows' first real positions to attend with (``[B]`` int32, or ``None``: no padding), given those
         of this forward's mask (``first``, ``-1`` for a row that is not left padding, or ``None``). The first
         forward on the empty cache fixes the padding; every later forward's mask must give the same (checked at
-        layer 0 through :meth:`verdict`): the positions a decode step's mask hides are those of the prefill.
+        layer 0 through :meth:`verdict`): the positions a decode step's mask hides are those of the prefill. A
+        row that is padding at every cached position may grow it in a later eager forward (a prompt prefilled
+        in chunks, ``generate(prefill_chunk_size=...)``, whose first chunks hold only its padding).
 
-        With several ranks every rank passes the same padding (the first forward's, by two sums over its rows)
-        and a verdict holds on every rank: one all-gather, which at a decode step also carries the step's
-        agreement (:meth:`_step_values`), so a step costs one all-gather of six float64 values."""
-        if layer_idx == 0:
-            given = torch.zeros_like(self.pad) if first is None else first.to(torch.int32)
-            if self.fresh:
-                self.pad.copy_(given)
-                self.padded = first is not None
-                weight = torch.arange(1, given.shape[0] + 1, device=given.device, dtype=torch.float64)
-                mine = torch.stack([given.double().sum(), (given.double() * weight).sum()])
-            else:
-                mine = torch.stack([(given != self.pad).any().double(), torch.zeros((), dtype=torch.float64,
-                                                                                     device=given.device)])
-            if self.world == 1:
-                if not self.fresh:
-                    self.verdict(mine[0] > 0, _PADDING_DIFFERS)
-            else:
-                step, self.step_values = self.step_values, None
-                everyone = all_gather_traceable(mine if step is None else torch.cat([step, mine]), self.group)
-                everyone = everyone.view(self.world, -1)
-                if step is not None:
-                    self.verdict(self._step_differs(everyone[:, :-2]), _STEP_DIFFERS)
-                everyone = everyone[:, -2:]
-                if self.fresh:
-                    self.verdict((everyone != everyone[0]).any(), _PADDING_RANKS)
-                else:
-                    self.verdict(everyone[:, 0].any(), _PADDING_DIFFERS)
+        With several ranks every rank passes the same padding (by two sums over its rows) and a verdict holds
+        on every rank: one all-gather, which at a decode step also carries the step's agreement
+        (:meth:`_step_values`), so a step costs one all-gather of six float64 values."""
+        if layer_idx != 0:
+            return self.pad if self.padded else None
+        given = torch.zeros_like(self.pad) if first is None else first.to(torch.int32)
+        if self.fresh:
+            pad, differs = given, None
+            self.padded = first is not None
+        else:
+            pad = self.pad
+            if not _compiling() and self.padded:  # rows padded at every cached position take more padding
+                start = self.start if self.host_start is None else self.host_start
+                pad = torch.where((self.pad == start) & (given >= self.pad), given, self.pad)
+            differs = (given != pad).any()
+        if self.world == 1:
+            if differs is not None:
+                self.verdict(differs, _PADDING_DIFFERS)
+        else:
+            weight = torch.arange(1, pad.shape[0] + 1, device=pad.device, dtype=torch.float64)
+            total = pad.double().sum() if differs is None else torch.where(differs, -1.0, pad.double().sum())
+            mine = torch.stack([total, (pad.double() * weight).sum()])  # -1: this rank's mask differs
+            step, self.step_values = self.step_values, None
+            everyone = all_gather_traceable(mine if step is None else torch.cat([step, mine]), self.group)
+            everyone = everyone.view(self.world, -1)
+            if step is not None:
+                self.verdict(self._step_differs(everyone[:, :-2]), _STEP_DIFFERS)
+            everyone = everyone[:, -2:]
+            if differs is None:
+                self.verdict((everyone != everyone[0]).any(), _PADDING_RANKS)
+            else:  # one verdict a step: a rank's mask differs from its padding, or the ranks' padding differs
+                self.verdict((everyone[:, 0] < 0).any() | (everyone != everyone[0]).any(), _PADDING_LATER)
+        if pad is not self.pad:
+            self.pad.copy_(pad)
         return self.pad if self.padded else None
 
     def end_value(self):
@@ -738,9 +751,10 @@ class CPCache(Cache):
         device: where the shards live (default: the device of the first K/V).
 
     ``get_seq_length()`` is the global, padded length (what a ``DynamicCache`` reports). The left padding of
-    the batch is fixed by the first forward on the empty cache; every later forward's mask must hide the same
-    positions (``generate()`` extends the mask with ones), else ``ValueError`` (a traced forward: a device
-    assert). A traced (compiled) forward of more than 16 tokens -- a chunk of a chunked prefill, an assistant's
+    the batch is fixed by the first forward on the empty cache (a row padded at every cached position takes
+    a later chunk's longer padding: ``generate(prefill_chunk_size=...)``); every later forward's mask must
+    hide the same positions (``generate()`` extends the mask with ones), else ``ValueError`` (a traced
+    forward: a device assert). A traced (compiled) forward of more than 16 tokens -- a chunk of a chunked prefill, an assistant's
     candidates -- attends in groups of 16 query rows; a compiled first forward of a left-padded batch is refused.
 
     >>> from transformers import AutoModelForCausalLM, LlamaConfig
@@ -869,6 +883,9 @@ def cp_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, 
     >>> cp_attention_mask(2, 3, 3, attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]).bool()).flatten()
     tensor([1, 0], dtype=torch.int32)
     """
+    if q_length > 1 and not _compiling():  # a static cache's offsets come as 0-d tensors (an eager host read)
+        q_offset, kv_offset = (int(x) if isinstance(x, torch.Tensor) and x.numel() == 1 else x
+                               for x in (q_offset, kv_offset))
     problem = None if q_length == 1 or _compiling() else _mask_problem(
         mask_function, batch_size, q_length, kv_length, q_offset, kv_offset, getattr(attention_mask, "device", None),
         getattr(kwargs.get("config"), "sliding_window", None))

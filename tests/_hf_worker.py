@@ -1,9 +1,12 @@
 """One rank of the ``cp_attention.hf`` context-parallel tests, started by ``tests/test_hf.py`` with
 ``python -m torch.distributed.run --nproc-per-node=W``: for every case of ``CASES.json`` (architecture and
 CPCache options; ``padded``: false for prompts of one length; ``row``: that prompt alone; ``mode``: a
-generation mode of ``_hf_models.MODES``; ``ahead``: through ``decode_ahead``; ``rows``: several query rows on a non-empty cache instead of
-``generate``; ``compiled_step``: decode steps traced whole, :func:`compiled_steps`) it builds the tiny seeded model, generates with a CPCache over the gloo group and saves
-``{case id: (tokens, logits, get_seq_length())}`` to ``OUT_DIR/rank<r>.pt``.
+generation mode of ``_hf_models.MODES``; ``ahead``: through ``decode_ahead``; ``generate``: more ``generate()``
+arguments; ``rows``: several query rows on a non-empty cache instead of ``generate``; ``same_positions``: a
+prefill (in forwards of ``chunk`` tokens) with the padded mask's position ids on every rank;
+``compiled_step``: decode steps traced whole, :func:`compiled_steps`) it builds the tiny seeded model,
+generates with a CPCache over the gloo group and saves ``{case id: (tokens, logits, get_seq_length())}`` to
+``OUT_DIR/rank<r>.pt``.
 
     python -m torch.distributed.run --standalone --nproc-per-node=2 tests/_hf_worker.py CASES.json OUT_DIR
 """
@@ -65,14 +68,20 @@ def main():
             ids, mask = prompts(seed=2 if other == "prompt" else 1, padded=case.get("padded", True) and other != "padding",
                                 row=case.get("row"))
             seed = 1 if other == "seed" else 0
-            if case.get("same_positions"):  # one prefill forward, position ids fixed by the padded mask on every rank
+            if case.get("same_positions"):  # a prefill, position ids fixed by the padded mask on every rank
                 positions = (mask.cumsum(-1) - 1).clamp(min=0)
                 if other == "mask":  # the same token ids and positions, the padding not masked
                     mask = torch.ones_like(mask)
+                elif other == "mask-later":  # prompt 1's first real token masked too (seen at the third chunk)
+                    mask = mask.clone()
+                    mask[1, int((mask[1] == 0).sum())] = 0
+                chunk = case.get("chunk", ids.shape[1])
                 try:
                     with torch.no_grad():
-                        model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                              **{cache_kwarg(model): cache})
+                        for c0 in range(0, ids.shape[1], chunk):
+                            c1 = c0 + chunk
+                            model(input_ids=ids[:, c0:c1], attention_mask=mask[:, :c1],
+                                  position_ids=positions[:, c0:c1], use_cache=True, **{cache_kwarg(model): cache})
                     results[case["id"]] = "no error"
                 except ValueError as exc:
                     results[case["id"]] = str(exc)
@@ -92,7 +101,7 @@ def main():
                 tokens, logits = None, forward_rows(model, ids, mask, cache, case["rows"])
             else:
                 tokens, logits = generate(model, ids, mask, cache, mode=case.get("mode"),
-                                          ahead=case.get("ahead", False), seed=seed)
+                                          ahead=case.get("ahead", False), seed=seed, **case.get("generate", {}))
             results[case["id"]] = (tokens, logits, int(cache.get_seq_length()))
         torch.save(results, out_dir / f"rank{dist.get_rank()}.pt")
         dist.barrier()

@@ -439,12 +439,40 @@ def test_a_cache_keeps_its_batch():
     cache.reset()
     with pytest.raises(ValueError, match="holds 3 rows .* a forward of 1 rows needs a new CPCache"):
         generate(model, ids[:1], mask[:1], cache, new_tokens=2)
-    # without reset() the filled cache's length meets the new batch's mask first
-    cache = cph.CPCache(model.config)
-    generate(model, ids, mask, cache, new_tokens=2)
-    for kwargs in ({}, {"use_cache": False}):
-        with pytest.raises(ValueError, match=r"\(12 held\) .* needs reset\(\) .*use_cache=False\) no cache"):
-            generate(model, ids[:2], mask[:2], cache, new_tokens=2, **kwargs)
+    # without reset() the filled cache's length meets the new batch's mask first (a preallocated cache's
+    # offset comes as a tensor)
+    for cache_kwargs in ({}, {"max_cache_len": 32}):
+        cache = cph.CPCache(model.config, **cache_kwargs)
+        generate(model, ids, mask, cache, new_tokens=2)
+        for kwargs in ({}, {"use_cache": False}):
+            with pytest.raises(ValueError, match=r"\(12 held\) .* needs reset\(\) .*use_cache=False\) no cache"):
+                generate(model, ids[:2], mask[:2], cache, new_tokens=2, **kwargs)
+    # the same prompt again on the cache that holds it: transformers feeds it whole, which would attend it twice
+    for cache_kwargs in ({}, {"max_cache_len": 32}):
+        cache = cph.CPCache(model.config, **cache_kwargs)
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask, use_cache=True, **{cache_kwarg(model): cache})
+        with pytest.raises(ValueError, match=r"cover the 22 positions of the cache \(11 held\)"):
+            generate(model, ids, mask, cache, new_tokens=2)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5])
+@pytest.mark.parametrize("cache_kwargs", [{}, {"max_cache_len": 24, "page_size": 3}], ids=["dynamic", "static-paged3"])
+def test_a_chunked_prefill_of_left_padded_prompts_matches_eager(refs, monkeypatch, chunk, cache_kwargs):
+    """generate(prefill_chunk_size=c) of the left-padded batch, whose first chunks hold only padding in some
+    rows (prompt 1 has 7 zeros): those rows take more padding at each chunk until their first real token; the
+    tokens and logits are eager's unchunked ones."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    ref_tokens, ref_logits, _, ref_len = refs("llama")
+    model = tiny_model("llama")
+    model.set_attn_implementation("cp_attention")
+    cache = cph.CPCache(model.config, **cache_kwargs)
+    ids, mask = prompts()
+    tokens, logits = generate(model, ids, mask, cache, prefill_chunk_size=chunk)
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, **LOGIT_TOL)
+    assert int(cache.get_seq_length()) == ref_len
+    assert cache._shared.pad.tolist() == [0, 7, 3]
 
 
 def test_a_window_given_only_by_the_config_is_applied():
@@ -611,6 +639,7 @@ DIST_CASES = {
         {"id": "gpt-oss-beam2-paged3", "arch": "gpt-oss-sinks-window5", "mode": "beam2", "cache": {"page_size": 3}},
         {"id": "gemma2-ahead-static", "arch": "gemma2-softcap-window5", "ahead": True, "cache": {"max_cache_len": 20}},
         {"id": "llama-sampled", "arch": "llama", "mode": "sample"},
+        {"id": "llama-chunks3", "arch": "llama", "generate": {"prefill_chunk_size": 3}},
         {"id": "qwen3-sampled-ahead-static", "arch": "qwen3", "mode": "sample", "ahead": True,
          "cache": {"max_cache_len": 20}},
     ] + [  # rank 1 differs: every rank refuses the prefill (and the next case still runs on the group)
@@ -622,6 +651,10 @@ DIST_CASES = {
         {"id": "differs-mask", "arch": "llama", "rank_differs": "mask", "same_positions": True,
          "expect": "left padding differs between ranks"},
         {"id": "same-mask", "arch": "llama", "same_positions": True, "expect": "no error"},
+        # in chunks of 3: the rows' padding grows alike until rank 1 masks prompt 1's first real token too
+        {"id": "differs-mask-later", "arch": "llama", "rank_differs": "mask-later", "same_positions": True, "chunk": 3,
+         "expect": "left padding on some rank, or differs between ranks"},
+        {"id": "same-mask-chunks3", "arch": "llama", "same_positions": True, "chunk": 3, "expect": "no error"},
     ] + [
         # rank 1 samples with another seed: the tokens part, and the next decode step raises on every rank
         {"id": "differs-seed", "arch": "llama", "mode": "sample", "rank_differs": "seed", "expect": STEP_DIFFERS},
@@ -642,6 +675,8 @@ DIST_CASES = {
         {"id": "gpt-oss-rows3-unpadded", "arch": "gpt-oss-sinks-window5", "rows": 3, "padded": False},
         {"id": "llama-lookup3-static", "arch": "llama", "mode": "lookup3", "row": 1, "cache": {"max_cache_len": 24}},
         {"id": "qwen3-ahead-paged2", "arch": "qwen3", "ahead": True, "cache": {"page_size": 2}},
+        {"id": "gpt-oss-chunks2-static", "arch": "gpt-oss-sinks-window5", "generate": {"prefill_chunk_size": 2},
+         "cache": {"max_cache_len": 20}},
     ]),
 }
 
