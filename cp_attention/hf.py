@@ -308,7 +308,7 @@ class _Shared:
         if self.world > 1:
             if s > 1 and not _compiling():
                 self._agree(key_states)
-            elif s == 1:
+            else:  # a decode step, or a traced forward of several tokens: gathered with the padding's verdict
                 self.step_values = self._step_values(key_states)
 
     def _agree(self, key_states) -> None:
@@ -340,8 +340,9 @@ class _Shared:
                              "0's new keys differ between ranks (other prompts, padding or weights)")
 
     def _step_values(self, key_states) -> torch.Tensor:
-        """A decode step (one new token a row) is the same forward on every rank: the same global position, and
-        layer 0's new keys (which the token fed back sets) by the sums of :meth:`_agree`. Generation settings
+        """A decode step (one new token a row; or a traced forward of several, a compiled chunk or verification
+        step, which cannot read the host) is the same forward on every rank: the same global position, and
+        layer 0's new keys (which the tokens fed back set) by the sums of :meth:`_agree`. Generation settings
         that differ between ranks (sampling and its seed, logits processors) make the tokens part; the step
         after that feeds different tokens, and merging its states would give every rank a wrong answer.
 

@@ -4,7 +4,7 @@ CPCache options; ``padded``: false for prompts of one length; ``row``: that prom
 generation mode of ``_hf_models.MODES``; ``ahead``: through ``decode_ahead``; ``generate``: more ``generate()``
 arguments; ``rows``: several query rows on a non-empty cache instead of ``generate``; ``same_positions``: a
 prefill (in forwards of ``chunk`` tokens) with the padded mask's position ids on every rank;
-``compiled_step``: decode steps traced whole, :func:`compiled_steps`) it builds the tiny seeded model,
+``compiled_step``: steps of ``step_rows`` tokens traced whole, :func:`compiled_steps`) it builds the tiny seeded model,
 generates with a CPCache over the gloo group and saves ``{case id: (tokens, logits, get_seq_length())}`` to
 ``OUT_DIR/rank<r>.pt``.
 
@@ -26,21 +26,23 @@ from _hf_models import cache_kwarg, forward_rows, generate, prompts, tiny_model 
 DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2, "bfloat16": torch.bfloat16}
 
 
-def compiled_steps(model, ids, mask, cache, token_differs: bool) -> str:
-    """A prefill, then two decode steps of ``model.forward`` traced whole (what transformers compiles): the
-    first feeds the same token on every rank, the second another token on rank 1 when ``token_differs``. The
-    message of the error each step raised, or "no error"."""
+def compiled_steps(model, ids, mask, cache, token_differs: bool, rows: int = 1) -> str:
+    """A prefill, then two steps of ``rows`` tokens a row through ``model.forward`` traced whole (what
+    transformers compiles: decode steps, or verification steps of drafted tokens): the first feeds the same
+    tokens on every rank, the second others on rank 1 when ``token_differs``. The message of the error each
+    step raised, or "no error"."""
     step = torch.compile(model.forward, backend="eager", fullgraph=True)
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=mask, use_cache=True, **{cache_kwarg(model): cache})
-        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        token = out.logits[:, -1].argmax(-1, keepdim=True).expand(-1, rows)
         for i in range(2):
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-            masks = cph.cp_attention_mask(ids.shape[0], 1, mask.shape[1], attention_mask=mask.bool())
-            fed = token + 1 if token_differs and i == 1 else token
+            mask = torch.cat([mask, torch.ones_like(mask[:, :rows])], 1)
+            masks = cph.cp_attention_mask(ids.shape[0], rows, mask.shape[1], mask.shape[1] - rows,
+                                          attention_mask=mask.bool())
+            fed = (token + 1) % model.config.vocab_size if token_differs and i == 1 else token
             try:
-                step(input_ids=fed, attention_mask=masks, position_ids=(mask.cumsum(-1) - 1)[:, -1:], use_cache=True,
-                     **{cache_kwarg(model): cache})
+                step(input_ids=fed, attention_mask=masks, position_ids=(mask.cumsum(-1) - 1)[:, -rows:],
+                     use_cache=True, **{cache_kwarg(model): cache})
             except RuntimeError as exc:
                 return f"step {i}: {exc}"
     return "no error"
@@ -87,7 +89,8 @@ def main():
                     results[case["id"]] = str(exc)
                 continue
             if case.get("compiled_step"):
-                results[case["id"]] = compiled_steps(model, ids, mask, cache, token_differs=other == "token")
+                results[case["id"]] = compiled_steps(model, ids, mask, cache, token_differs=other == "token",
+                                                     rows=case.get("step_rows", 1))
                 continue
             if "expect" in case:
                 try:

@@ -667,6 +667,11 @@ DIST_CASES = {
          "expect": "no error"},
         {"id": "differs-token-compiled", "arch": "mistral-window5", "compiled_step": True, "rank_differs": "token",
          "cache": {"max_cache_len": 20}, "expect": "step 1: CPCache: " + STEP_DIFFERS},
+        # traced steps of 3 tokens a row (compiled verification steps): the same, gathered likewise
+        {"id": "same-tokens-compiled-rows3", "arch": "llama", "compiled_step": True, "step_rows": 3,
+         "cache": {"max_cache_len": 20}, "expect": "no error"},
+        {"id": "differs-tokens-compiled-rows3", "arch": "llama", "compiled_step": True, "step_rows": 3,
+         "rank_differs": "token", "cache": {"max_cache_len": 20}, "expect": "step 1: CPCache: " + STEP_DIFFERS},
     ]),
     3: (False, [{"id": a, "arch": a} for a in ARCHS] + [
         {"id": "llama-static-unpadded", "arch": "llama", "padded": False, "cache": {"max_cache_len": 17}},
