@@ -75,7 +75,7 @@ def check_disjoint(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -
     if is_fake(a) or is_fake(b) or not a.numel() or not b.numel():
         return
     rel = b.data_ptr() - a.data_ptr()
-    if 0 - _span_bytes(b) < rel < _span_bytes(a) and _addresses_meet(a, b, rel):
+    if -_span_bytes(b) < rel < _span_bytes(a) and _addresses_meet(a, b, rel):
         raise ValueError(f"{name_a} and {name_b} must not share memory, got views with bytes in common")
 
 
@@ -377,7 +377,7 @@ def check_plan(plan, *, t_max: int, q_rows: int, page_size: int, window_left=Non
     fewer would leave keys out of the softmax. ``split_pages`` > 0 (a paged cache's entries of a split in
     registers, used without a window or row limits): a power of two of at least the entries a split touches,
     on pages of a power of two of at least 16 positions."""
-    from .heuristics import MAX_SPLIT_PAGES, ONE_WARP_CONFIGS, DecodeConfig, DecodePlan
+    from .heuristics import MAX_SPLIT_PAGES, ONE_WARP_CONFIGS, DecodeConfig, DecodePlan, positions_read
 
     if not isinstance(plan, DecodePlan):
         raise TypeError(f"plan must be a heuristics.DecodePlan, got {type(plan).__name__}")
@@ -398,7 +398,7 @@ def check_plan(plan, *, t_max: int, q_rows: int, page_size: int, window_left=Non
     check_bool("plan.deterministic", plan.deterministic)
     check_bool("plan.page_tiles", plan.page_tiles)
     unaligned = window_left is not None or row_limits  # splits from the first key, not from a tile
-    reach = t_max if window_left is None else min(t_max, window_left + q_rows)
+    reach = positions_read(t_max, q_rows, window_left)
     if unaligned and cfg in ONE_WARP_CONFIGS:
         reach = min(t_max, reach + block_n - 1)
     if splits * tiles * block_n < reach:

@@ -552,6 +552,13 @@ def prefix_plan(batch: int, group: int, num_kv_heads: int, n_read: int, t_max: i
     return PrefixPlan(config, n_tiles, math.ceil(n_blocks / tiles), tiles)
 
 
+def positions_read(t_max: int, q_rows: int, window_left: int | None = None, span: int | None = None) -> int:
+    """The positions a call's splits must cover, from a row's first: ``T_max``, or under a window its
+    ``window_left + Q`` (a context-parallel rank's share of one: ``span``)."""
+    reach = t_max if window_left is None else min(t_max, window_left + q_rows)
+    return reach if span is None else min(reach, span)
+
+
 def plan_decode(device: torch.device, batch: int, num_kv_heads: int, t_max: int, head_dim: int, dtype: torch.dtype,
                 kv_dtype: torch.dtype, q_rows: int, group: int, page_size: int, *, num_splits: int | None = None,
                 window_left: int | None = None, row_limits: bool = False, span: int | None = None,
@@ -566,8 +573,7 @@ def plan_decode(device: torch.device, batch: int, num_kv_heads: int, t_max: int,
     if split_size is not None:
         plan = deterministic_plan(t_max, head_dim, dtype, split_size)
     elif plan is None:
-        reach = t_max if window_left is None else min(t_max, window_left + q_rows)
-        reach = reach if span is None else min(reach, span)
+        reach = positions_read(t_max, q_rows, window_left, span)
         if one_warp_fp8(device, kv_dtype, head_dim, rows, reach, plain, page_size):
             # splits from a whole tile below the first key
             margin = FP8_ONE_WARP_LONG.block_n - 1 if window_left is not None or row_limits else 0

@@ -213,7 +213,10 @@ _PADDING_DIFFERS = ("CPCache: this forward's attention_mask hides other position
                     "padding (a zero after a one, padding added or dropped, or no mask for a padded batch); the "
                     "cache attends the first forward's padding: pass that mask extended with ones, or reset() the "
                     "cache for a new batch")
-_PADDING_LATER = _PADDING_DIFFERS.replace("left padding", "left padding on some rank, or differs between ranks", 1)
+_PADDING_LATER = ("CPCache: this forward's attention_mask hides other positions than the first forward's left "
+                  "padding on some rank, or differs between ranks (a zero after a one, padding added or dropped, or "
+                  "no mask for a padded batch); the cache attends the first forward's padding: pass that mask "
+                  "extended with ones, or reset() the cache for a new batch")
 
 
 def _key_sums(key_states) -> torch.Tensor:
@@ -747,16 +750,18 @@ class CPCache(Cache):
             scales agree on every rank -- mapped to the format's largest value. A later eager forward of
             several tokens (a chunk of a chunked prefill, a continued prompt) whose K/V reach further widens
             them and requantises the stored tokens; decode steps (and traced forwards) keep them and quantise
-            with saturation, so a prompt of a few tokens gives narrow scales. At decode steps the queries of float32 models are
-            rounded to bfloat16 for FP8 attention; a prefill attends in float32 against dequantised K/V.
+            with saturation, so a prompt of a few tokens gives narrow scales. At decode steps the queries of
+            float32 models are rounded to bfloat16 for FP8 attention; a prefill attends in float32 against
+            dequantised K/V.
         device: where the shards live (default: the device of the first K/V).
 
     ``get_seq_length()`` is the global, padded length (what a ``DynamicCache`` reports). The left padding of
     the batch is fixed by the first forward on the empty cache (a row padded at every cached position takes
     a later chunk's longer padding: ``generate(prefill_chunk_size=...)``); every later forward's mask must
     hide the same positions (``generate()`` extends the mask with ones), else ``ValueError`` (a traced
-    forward: a device assert). A traced (compiled) forward of more than 16 tokens -- a chunk of a chunked prefill, an assistant's
-    candidates -- attends in groups of 16 query rows; a compiled first forward of a left-padded batch is refused.
+    forward: a device assert). A traced (compiled) forward of more than 16 tokens -- a chunk of a chunked
+    prefill, an assistant's candidates -- attends in groups of 16 query rows; a compiled first forward of a
+    left-padded batch is refused.
 
     >>> from transformers import AutoModelForCausalLM, LlamaConfig
     >>> config = LlamaConfig(vocab_size=97, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
